@@ -1,0 +1,19 @@
+"""jaxquant: ONNX-exact linear quantization for JAX."""
+
+from jaxquant._dtypes import QuantizedDType as QuantizedDType
+from jaxquant._granularity import Granularity as Granularity
+from jaxquant._linear import dequantize_linear as dequantize_linear
+from jaxquant._linear import quantize_linear as quantize_linear
+from jaxquant._packing import pack_int4 as pack_int4
+from jaxquant._packing import unpack_int4 as unpack_int4
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "Granularity",
+    "QuantizedDType",
+    "dequantize_linear",
+    "pack_int4",
+    "quantize_linear",
+    "unpack_int4",
+)

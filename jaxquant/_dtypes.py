@@ -1,0 +1,197 @@
+"""The one table of quantized dtypes and the saturating conversion into them.
+
+Every op asks this module what a dtype's range is and how a float becomes it;
+no other module compares dtypes against lists of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _validate
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedDType:
+  """What the ops need to know about one quantized dtype.
+
+  Attributes:
+    dtype: the NumPy dtype (``ml_dtypes`` for the sub-byte and float8 types).
+    bits: storage bits per element in the ONNX layout.
+    is_integer: integer (``True``) or low-precision float (``False``).
+    min: the smallest finite value (``qmin`` for integers, ``-finfo.max`` else).
+    max: the largest finite value.
+  """
+
+  dtype: np.dtype
+  bits: int
+  is_integer: bool
+  min: int | float
+  max: int | float
+
+  @property
+  def name(self) -> str:
+    return self.dtype.name
+
+
+def _integer(dtype: Any) -> QuantizedDType:
+  info = jnp.iinfo(dtype)
+  return QuantizedDType(np.dtype(dtype), info.bits, True, int(info.min), int(info.max))
+
+
+def _float(dtype: Any) -> QuantizedDType:
+  info = jnp.finfo(dtype)
+  return QuantizedDType(np.dtype(dtype), info.bits, False, float(info.min), float(info.max))
+
+
+_QUANTIZED_DTYPES: dict[np.dtype, QuantizedDType] = {
+    q.dtype: q
+    for q in [
+        *map(
+            _integer,
+            [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
+             jnp.int16, jnp.uint16, jnp.int32, jnp.uint32],
+        ),
+        *map(
+            _float,
+            [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2,
+             jnp.float8_e5m2fnuz, jnp.float4_e2m1fn],
+        ),
+    ]
+}
+
+QUANTIZED_DTYPE_NAMES = ", ".join(d.name for d in _QUANTIZED_DTYPES)
+
+SCALE_DTYPES = tuple(
+    np.dtype(d)
+    for d in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e8m0fnu)
+)
+OUTPUT_FLOAT_DTYPES = tuple(
+    np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16)
+)
+
+
+def _names(dtypes: tuple[np.dtype, ...]) -> str:
+  return ", ".join(d.name for d in dtypes)
+
+
+def quantized_dtype(function: str, argument: str, dtype: Any) -> QuantizedDType:
+  """Looks ``dtype`` up in the table; a ``TypeError`` naming ``argument`` if absent."""
+  try:
+    info = _QUANTIZED_DTYPES.get(np.dtype(dtype))
+  except TypeError:
+    info = None
+  if info is None:
+    _validate.fail(
+        function, argument, f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})",
+        dtype, error=TypeError,
+    )
+  return info
+
+
+def scale_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
+  """Checks that ``dtype`` may hold a scale."""
+  _validate.check(
+      np.dtype(dtype) in SCALE_DTYPES, function, f"{argument}.dtype",
+      f"one of {_names(SCALE_DTYPES)}", np.dtype(dtype).name, error=TypeError,
+  )
+  return np.dtype(dtype)
+
+
+def output_float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
+  """Checks that ``dtype`` is a float dtype an op may return."""
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    pass
+  _validate.check(
+      dtype in OUTPUT_FLOAT_DTYPES, function, argument,
+      f"one of {_names(OUTPUT_FLOAT_DTYPES)}", dtype, error=TypeError,
+  )
+  return dtype
+
+
+def compute_dtype(*dtypes: Any) -> np.dtype:
+  """The float dtype in which quantization arithmetic runs: float32, or float64 under x64."""
+  return np.dtype(jnp.result_type(jnp.float32, *(
+      d for d in dtypes if jnp.issubdtype(d, jnp.floating) and np.dtype(d).itemsize > 4
+  )))
+
+
+def _add_zero_point_32bit(
+    rounded: jax.Array, zero_point: jax.Array, info: QuantizedDType
+) -> jax.Array:
+  """``saturate(rounded + zero_point)`` for 32-bit outputs, without rounding the sum.
+
+  Neither float32 nor int32 holds the 33-bit sum, so it is formed from 16-bit
+  halves: ``rounded = hi * 2**16 + lo`` with ``0 <= lo < 2**16``.
+  """
+  half = 2.0**16
+  # Beyond +-2**32 every zero point of the type leaves the sum out of range.
+  rounded = jnp.clip(rounded, -(2.0**32), 2.0**32)
+  rounded_hi = jnp.floor(rounded / half)
+  rounded_lo = (rounded - rounded_hi * half).astype(jnp.int32)
+  zero_point = zero_point.astype(info.dtype)
+  zero_point_hi = jnp.right_shift(zero_point, 16)  # arithmetic for int32, logical for uint32
+  zero_point_lo = (zero_point & info.dtype.type(0xFFFF)).astype(jnp.int32)
+  sum_lo = rounded_lo + zero_point_lo
+  sum_hi = (
+      rounded_hi.astype(jnp.int32) + zero_point_hi.astype(jnp.int32)
+      + lax.shift_right_logical(sum_lo, jnp.int32(16))
+  )
+  sum_lo = (sum_lo & 0xFFFF).astype(info.dtype)
+  value = lax.shift_left(sum_hi.astype(info.dtype), info.dtype.type(16)) | sum_lo
+  return jnp.where(
+      sum_hi > (info.max >> 16), info.dtype.type(info.max),
+      jnp.where(sum_hi < (info.min >> 16), info.dtype.type(info.min), value),
+  )
+
+
+def round_and_saturate(
+    quotient: jax.Array,
+    zero_point: jax.Array | None,
+    info: QuantizedDType,
+    *,
+    saturate: bool = True,
+) -> jax.Array:
+  """``saturate(round_half_to_even(quotient) + zero_point)`` as ``info.dtype`` (SPEC §3).
+
+  Integers: NaN -> ``min``, +-inf and overflow clamp to the range, the clamp is
+  done in float before the cast because XLA's cast maps NaN to 0. Floats: the
+  dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
+  (XLA's float8 cast does not), NaN stays NaN.
+
+  Args:
+    quotient: ``x / scale`` in float32 (or float64), broadcast against ``zero_point``.
+    zero_point: in ``info.dtype``, or ``None`` for 0.
+    info: the target dtype's table entry.
+    saturate: float8 only: clip to the finite range instead of overflowing.
+
+  Returns:
+    An array of ``info.dtype``.
+  """
+  if not info.is_integer:
+    if zero_point is not None:
+      # Adding a zero point of +0 would turn a -0 quotient into +0.
+      zero_point = zero_point.astype(quotient.dtype)
+      quotient = jnp.where(zero_point == 0, quotient, quotient + zero_point)
+    if saturate:
+      quotient = jnp.clip(quotient, info.min, info.max)
+    return quotient.astype(info.dtype)
+
+  rounded = jnp.round(quotient)
+  if info.bits == 32:
+    if zero_point is None:
+      zero_point = jnp.zeros((), info.dtype)
+    result = _add_zero_point_32bit(rounded, zero_point, info)
+  else:
+    if zero_point is not None:
+      rounded = rounded + zero_point.astype(rounded.dtype)
+    result = jnp.clip(rounded, info.min, info.max).astype(info.dtype)
+  return jnp.where(jnp.isnan(rounded), info.dtype.type(info.min), result)

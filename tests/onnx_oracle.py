@@ -1,0 +1,91 @@
+"""Runs one ONNX node in onnx.reference and in onnxruntime: oracles no one here wrote.
+
+onnxruntime's Python binding cannot take or return ml_dtypes arrays (int4,
+int2, float8, float4), so such tensors cross the boundary in a carrier dtype
+that holds them exactly (int8, uint8 or float32) and an ONNX Cast node inside
+the graph converts them. The same graph runs in both oracles.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+import onnxruntime
+
+OPSET = 25
+_NATIVE = {np.dtype(d) for d in (
+    np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16, np.uint16,
+    np.int32, np.uint32, np.int64, np.bool_,
+)}
+
+
+def _carrier(dtype: np.dtype) -> np.dtype:
+  if dtype in _NATIVE:
+    return dtype
+  if dtype == np.dtype(ml_dtypes.bfloat16):
+    return np.dtype(np.float32)
+  if np.issubdtype(dtype, np.integer) or dtype.name.startswith(("int", "uint")):
+    return np.dtype(np.int8 if dtype.name.startswith("int") else np.uint8)
+  return np.dtype(np.float32)
+
+
+def _tensor_type(dtype: np.dtype) -> int:
+  return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def build_model(op: str, inputs: dict[str, np.ndarray], output_dtype: np.dtype,
+                domain: str = "", opset: int = OPSET, **attributes) -> onnx.ModelProto:
+  """One ``op`` node whose inputs and output pass through carrier Casts where needed."""
+  nodes, graph_inputs, node_inputs = [], [], []
+  for name, value in inputs.items():
+    if value is None:
+      node_inputs.append("")
+      continue
+    carrier = _carrier(value.dtype)
+    graph_inputs.append(helper.make_tensor_value_info(name, _tensor_type(carrier), value.shape))
+    if carrier != value.dtype:
+      nodes.append(helper.make_node("Cast", [name], [name + "_cast"], to=_tensor_type(value.dtype)))
+      name += "_cast"
+    node_inputs.append(name)
+  while node_inputs and node_inputs[-1] == "":
+    node_inputs.pop()
+  output_carrier = _carrier(np.dtype(output_dtype))
+  nodes.append(helper.make_node(op, node_inputs, ["y_raw"], domain=domain, **attributes))
+  nodes.append(helper.make_node("Cast", ["y_raw"], ["y"], to=_tensor_type(output_carrier)))
+  graph = helper.make_graph(
+      nodes, op, graph_inputs,
+      [helper.make_tensor_value_info("y", _tensor_type(output_carrier), None)],
+  )
+  opsets = [helper.make_opsetid("", opset)]
+  if domain:
+    opsets.append(helper.make_opsetid(domain, 1))
+  model = helper.make_model(graph, opset_imports=opsets)
+  model.ir_version = 11
+  return model
+
+
+def _feeds(inputs):
+  return {name: value.astype(_carrier(value.dtype))
+          for name, value in inputs.items() if value is not None}
+
+
+def run_reference(op, inputs, output_dtype, **attributes) -> np.ndarray:
+  """``op`` in ``onnx.reference``, the output in ``output_dtype``."""
+  model = build_model(op, inputs, output_dtype, **attributes)
+  (y,) = ReferenceEvaluator(model).run(None, _feeds(inputs))
+  return np.asarray(y).astype(output_dtype)
+
+
+def run_onnxruntime(op, inputs, output_dtype, domain="", **attributes) -> np.ndarray:
+  """``op`` in onnxruntime's CPU provider, the output in ``output_dtype``."""
+  model = build_model(op, inputs, output_dtype, domain=domain, **attributes)
+  options = onnxruntime.SessionOptions()
+  options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  session = onnxruntime.InferenceSession(
+      model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+  )
+  (y,) = session.run(None, _feeds(inputs))
+  return np.asarray(y).astype(output_dtype)
