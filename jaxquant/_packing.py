@@ -88,7 +88,7 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     >>> import jax.numpy as jnp
     >>> import jaxquant as jq
     >>> jq.unpack_int4(jnp.array([241, 7], jnp.uint8), (3,), jnp.int4)
-    Array([ 1, -1,  7], dtype=int4)
+    Array([1, -1, 7], dtype=int4)
   """
   function = "unpack_int4"
   packed = jnp.asarray(packed)

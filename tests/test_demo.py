@@ -1,0 +1,17 @@
+"""``python -m jaxquant`` runs and reports every scheme."""
+
+import subprocess
+import sys
+
+
+def test_demo_runs():
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxquant", "--size", "256", "--repeats", "1"],
+      capture_output=True, text=True, timeout=300, check=True,
+  )
+  for scheme in ("int8, per-axis", "int4, blocked", "float8_e4m3fn, per-tensor"):
+    assert scheme in result.stdout
+  # Integer schemes must stay within half a step: the column prints 0.500 at most.
+  for line in result.stdout.splitlines():
+    if line.startswith(("int8", "int4")):
+      assert float(line.split()[-3]) <= 0.5, line

@@ -1,0 +1,385 @@
+"""quantize_linear / dequantize_linear: SPEC §3 edge cases, transformations, tracing."""
+
+import functools
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+INTEGER_DTYPES = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
+                  jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
+FLOAT8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2,
+                 jnp.float8_e5m2fnuz]
+
+
+def _is_float(array):
+  return array.dtype.name.startswith(("float", "bfloat"))
+
+
+def assert_bits_equal(actual, expected):
+  """Equal dtypes, shapes and bits, so -0.0 != 0.0; NaN equals any NaN.
+
+  IEEE leaves a NaN's sign and payload to the hardware (x86 makes 0 * inf a
+  negative NaN), and no SPEC rule depends on them.
+  """
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  if not _is_float(actual):
+    np.testing.assert_array_equal(actual, expected)
+    return
+  nan = np.isnan(actual.astype(np.float32))
+  np.testing.assert_array_equal(nan, np.isnan(expected.astype(np.float32)))
+  unsigned = f"uint{8 * actual.dtype.itemsize}"
+  np.testing.assert_array_equal(actual.view(unsigned)[~nan], expected.view(unsigned)[~nan])
+
+
+# --- quantize_linear: SPEC §3 special values -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
+def test_integer_special_values(dtype):
+  info = jnp.iinfo(dtype)
+  x = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 1e30, -1e30, 0.0], jnp.float32)
+  y = jq.quantize_linear(x, 1.0, output_dtype=dtype)
+  assert_bits_equal(y, np.array([info.min, info.max, info.min, info.max, info.min, 0],
+                                dtype=y.dtype))
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
+def test_scale_zero_saturates_by_sign(dtype):
+  info = jnp.iinfo(dtype)
+  y = jq.quantize_linear(jnp.array([3.0, -3.0, 0.0, -0.0]), 0.0, output_dtype=dtype)
+  assert y.tolist() == [info.max, info.min, info.min, info.min]
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
+def test_rounds_half_to_even_then_adds_zero_point(dtype):
+  info = jnp.iinfo(dtype)
+  zero_point = np.array(info.min + (info.max - info.min) // 2).astype(dtype)
+  ties = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5], np.float32)
+  expected = np.clip(np.rint(ties).astype(np.int64) + int(zero_point), info.min, info.max)
+  y = jq.quantize_linear(ties, 1.0, zero_point)
+  assert y.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32], ids=lambda d: d.__name__)
+def test_32bit_zero_point_is_added_exactly(dtype):
+  info = jnp.iinfo(dtype)
+  rng = np.random.default_rng(0)
+  # Quotients above 2**24, where a float32 sum with the zero point would round.
+  quotient = rng.uniform(-2.0**33, 2.0**33, 4096).astype(np.float32)
+  zero_point = rng.integers(info.min, info.max, 4096, endpoint=True).astype(dtype)
+  y = jq.quantize_linear(quotient, np.ones(4096, np.float32), zero_point, axis=0)
+  exact = np.clip(np.rint(quotient).astype(np.float64).astype(object) + zero_point.astype(object),
+                  info.min, info.max)
+  assert np.asarray(y).astype(object).tolist() == exact.tolist()
+
+
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=lambda d: d.__name__)
+def test_float8_saturate(dtype):
+  finfo = ml_dtypes.finfo(dtype)
+  x = np.array([1e6, -1e6, np.inf, -np.inf, np.nan, 1.0, -0.0], np.float32)
+  saturated = jq.quantize_linear(x, 1.0, output_dtype=dtype)
+  expected = np.clip(x, -float(finfo.max), float(finfo.max)).astype(dtype)
+  assert_bits_equal(saturated, expected)
+  # saturate=False is the plain IEEE cast, which is what ml_dtypes does.
+  assert_bits_equal(jq.quantize_linear(x, 1.0, output_dtype=dtype, saturate=False),
+                    x.astype(dtype))
+
+
+def test_float8_zero_point_keeps_negative_zero():
+  y = jq.quantize_linear(jnp.array([-0.0, 1.0]), 1.0, jnp.zeros((), jnp.float8_e4m3fn))
+  assert_bits_equal(y, np.array([-0.0, 1.0], ml_dtypes.float8_e4m3fn))
+
+
+def test_float4_saturates_to_six():
+  x = np.array([100.0, -100.0, np.inf, -np.inf, 2.5, 0.25], np.float32)
+  y = jq.quantize_linear(x, 1.0, output_dtype=jnp.float4_e2m1fn)
+  assert np.asarray(y).astype(np.float32).tolist() == [6, -6, 6, -6, 2, 0]
+
+
+def _divides_differently_by_reciprocal(dtype, size=4096):
+  """Random x and one scale where ``x * (1/scale)`` != ``x / scale`` for many x."""
+  rng = np.random.default_rng(1)
+  scale = np.array(0.0373, dtype)
+  x = (rng.standard_normal(size) * 50).astype(dtype)
+  exact = x / scale
+  assert np.mean(x * (1 / scale) != exact) > 0.05
+  return x, scale, exact
+
+
+@pytest.mark.parametrize("layout", ["scalar", "per-axis", "blocked"])
+def test_division_is_true_division_under_jit(layout):
+  x, scale, exact = _divides_differently_by_reciprocal(np.float32)
+  # Quotients land on exact .5 ties when x is built from them, so a one-ulp
+  # error in the quotient flips the rounding.
+  ties = (np.floor(exact) + 0.5).astype(np.float32)
+  x = (ties * scale).astype(np.float32)
+  exact = x / scale
+  kwargs = {}
+  scale_array = scale
+  if layout == "per-axis":
+    x, exact = x.reshape(64, 64), exact.reshape(64, 64)
+    scale_array, kwargs = np.full(64, scale), dict(axis=0)
+  elif layout == "blocked":
+    x, exact = x.reshape(64, 64), exact.reshape(64, 64)
+    scale_array, kwargs = np.full((64, 3), scale), dict(axis=1, block_size=24)
+  expected = np.clip(np.rint(exact), -32768, 32767).astype(np.int16)
+  y = jax.jit(functools.partial(jq.quantize_linear, output_dtype=jnp.int16, **kwargs))(
+      x, scale_array)
+  assert_bits_equal(y, expected)
+
+
+def test_float16_input_divides_in_float32():
+  # Find float16 pairs whose float16 quotient rounds to a different integer
+  # than the float32 quotient: the double rounding SPEC §3 forbids.
+  rng = np.random.default_rng(2)
+  x = rng.uniform(-200, 200, 20000).astype(np.float16)
+  scale = np.float16(0.1)
+  in_float32 = np.rint(x.astype(np.float32) / np.float32(scale))
+  in_float16 = np.rint((x / scale).astype(np.float16).astype(np.float32))
+  assert np.any(in_float32 != in_float16)
+  expected = np.clip(in_float32, -32768, 32767).astype(np.int16)
+  y = jq.quantize_linear(x, scale, output_dtype=jnp.int16)
+  assert_bits_equal(y, expected)
+  # precision=float16 asks for the float16 division explicitly (ONNX opset 23).
+  y16 = jq.quantize_linear(x, scale, output_dtype=jnp.int16, precision=jnp.float16)
+  assert_bits_equal(y16, np.clip(in_float16, -32768, 32767).astype(np.int16))
+
+
+def test_output_dtype_resolution():
+  x = jnp.array([1.0, 300.0])
+  assert jq.quantize_linear(x, 1.0).dtype == jnp.uint8
+  assert jq.quantize_linear(x, 1.0, output_dtype=jnp.int16).dtype == jnp.int16
+  assert jq.quantize_linear(x, 1.0, jnp.int4(0)).dtype == jnp.int4
+  assert jq.quantize_linear(x, 1.0, jnp.int4(0), output_dtype=jnp.int4).dtype == jnp.int4
+  # A Python number as zero point has no dtype of its own.
+  assert jq.quantize_linear(x, 1.0, 3, output_dtype=jnp.int8).tolist() == [4, 127]
+
+
+# --- dequantize_linear ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES[:-2], ids=lambda d: d.__name__)
+def test_dequantize_subtracts_exactly(dtype):
+  info = jnp.iinfo(dtype)
+  x = np.array([info.min, info.max, 0]).astype(dtype)
+  zero_point = np.array([info.max, info.min, info.max]).astype(dtype)
+  y = jq.dequantize_linear(x, np.ones(3, np.float32), zero_point, axis=0)
+  assert y.tolist() == [info.min - info.max, info.max - info.min, -info.max]
+
+
+def test_dequantize_int32_wraps_around_like_onnxruntime():
+  x = jnp.array([2**31 - 1, -(2**31)], jnp.int32)
+  y = jq.dequantize_linear(x, jnp.ones(2), jnp.array([-1, 1], jnp.int32), axis=0)
+  # 2**31 - 1 - (-1) wraps to -2**31; -2**31 - 1 wraps to 2**31 - 1, which is 2**31 in float32.
+  assert y.tolist() == [-(2.0**31), 2.0**31]
+
+
+def test_dequantize_uint32_wraps_around_in_its_own_width():
+  x = jnp.array([0, 4_000_000_000], jnp.uint32)
+  y = jq.dequantize_linear(x, 1.0, jnp.array(1, jnp.uint32))
+  assert y.tolist() == [float(np.float32(2**32 - 1)), float(np.float32(3_999_999_999))]
+
+
+def test_dequantize_special_scales():
+  x = jnp.array([-3, 0, 3], jnp.int8)
+  for scale, expected in [(0.0, [-0.0, 0.0, 0.0]), (np.inf, [-np.inf, np.nan, np.inf]),
+                          (np.nan, [np.nan] * 3)]:
+    assert_bits_equal(jq.dequantize_linear(x, np.float32(scale)),
+                      np.array(expected, np.float32) if scale != 0
+                      else np.float32(0.0) * np.array([-3, 0, 3], np.float32))
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
+def test_dequantize_rounds_product_once(scale_dtype):
+  rng = np.random.default_rng(3)
+  x = rng.integers(-128, 128, 5000).astype(np.int8)
+  scale = np.asarray(0.0123, scale_dtype)
+  y = jq.dequantize_linear(x, scale, np.int8(3))
+  expected = ((x.astype(np.float32) - 3) * scale.astype(np.float32)).astype(scale_dtype)
+  assert_bits_equal(y, expected)
+  assert jq.dequantize_linear(x, scale, output_dtype=jnp.float32).dtype == jnp.float32
+
+
+def test_dequantize_float8_input_and_e8m0_scale():
+  x = np.array([1.5, -448, 0.25], ml_dtypes.float8_e4m3fn)
+  scale = np.array(2.0**-3, ml_dtypes.float8_e8m0fnu)
+  y = jq.dequantize_linear(x, scale)
+  assert y.dtype == jnp.float32
+  assert y.tolist() == [1.5 / 8, -56.0, 0.25 / 8]
+
+
+# --- granularity: every layout against an explicit np.repeat expansion ------------------
+
+
+@st.composite
+def layouts(draw):
+  """(x shape, scale shape, axis, block_size) over every row of SPEC §2."""
+  rank = draw(st.integers(0, 5))
+  x_shape = tuple(draw(st.lists(st.integers(0, 5), min_size=rank, max_size=rank)))
+  kind = draw(st.sampled_from(["per-tensor", "per-axis", "blocked", "broadcast"]))
+  if rank == 0 or kind == "per-tensor":
+    return x_shape, draw(st.sampled_from([(), (1,)])), 1, 0
+  axis = draw(st.integers(-rank, rank - 1))
+  if kind == "per-axis" and rank >= 2:
+    return x_shape, (x_shape[axis],), axis, 0
+  if kind == "blocked":
+    block_size = draw(st.integers(1, 6))
+    scale_shape = list(x_shape)
+    scale_shape[axis] = -(-x_shape[axis] // block_size)
+    return x_shape, tuple(scale_shape), axis, block_size
+  scale_shape = tuple(
+      n if n == 0 else draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+      for n in x_shape
+  )
+  # Drop leading dims now and then: the NumPy rank rule of the last row.
+  drop = draw(st.integers(0, max(0, rank - 2)))
+  return x_shape, scale_shape[drop:], axis, 0
+
+
+def expand_scale(scale, x_shape, axis, block_size):
+  """The scale repeated out to x's shape: the slow, obvious reading of SPEC §2."""
+  if scale.size == 1:
+    return np.broadcast_to(scale.reshape(()), x_shape)
+  if scale.ndim == 1 and len(x_shape) >= 2:
+    shape = [1] * len(x_shape)
+    shape[axis] = -1
+    return np.broadcast_to(scale.reshape(shape), x_shape)
+  if block_size:
+    return np.repeat(scale, block_size, axis=axis).take(range(x_shape[axis]), axis=axis)
+  scale = scale.reshape((1,) * (len(x_shape) - scale.ndim) + scale.shape)
+  for d, n in enumerate(x_shape):
+    if scale.shape[d]:
+      scale = np.repeat(scale, n // scale.shape[d], axis=d)
+  return scale
+
+
+@hypothesis.given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_every_layout_matches_expanded_scale(layout, seed):
+  x_shape, scale_shape, axis, block_size = layout
+  rng = np.random.default_rng(seed)
+  x = rng.normal(0, 4, x_shape).astype(np.float32)
+  scale = rng.uniform(0.1, 2, scale_shape).astype(np.float32)
+  zero_point = rng.integers(-20, 20, scale_shape).astype(np.int8)
+  kwargs = dict(axis=axis, block_size=block_size)
+  full_scale = expand_scale(scale, x_shape, axis, block_size)
+  full_zero_point = expand_scale(zero_point, x_shape, axis, block_size)
+
+  y = jq.quantize_linear(x, scale, zero_point, **kwargs)
+  expected = np.clip(np.rint(x / full_scale) + full_zero_point, -128, 127).astype(np.int8)
+  assert_bits_equal(y, expected)
+
+  back = jq.dequantize_linear(y, scale, zero_point, **kwargs)
+  expected_back = (expected.astype(np.int32) - full_zero_point).astype(np.float32) * full_scale
+  assert_bits_equal(back, expected_back.astype(np.float32))
+
+
+def test_granularity_kinds():
+  resolve = functools.partial(jq.Granularity.__module__ and __import__(
+      "jaxquant._granularity", fromlist=["resolve"]).resolve, "test")
+  assert resolve((4, 6), (), axis=1, block_size=0).kind == "per-tensor"
+  assert resolve((4, 6), (1, 1), axis=1, block_size=0).kind == "per-tensor"
+  assert resolve((4, 6), (6,), axis=1, block_size=0).kind == "per-axis"
+  assert resolve((4, 6), (4,), axis=-2, block_size=0).kind == "per-axis"
+  blocked = resolve((4, 6), (4, 2), axis=1, block_size=4)
+  assert (blocked.kind, blocked.split_dims) == ("blocked", (1,))
+  broadcast = resolve((4, 6), (2, 3), axis=1, block_size=0)
+  assert (broadcast.kind, broadcast.block_shape, broadcast.split_dims) == (
+      "block-wise broadcast", (2, 2), (0, 1))
+  assert resolve((2, 4, 6), (2, 3), axis=1, block_size=0).param_shape == (1, 2, 3)
+  assert resolve((6,), (3,), axis=0, block_size=0).block_shape == (2,)
+
+
+# --- transformations -------------------------------------------------------------------
+
+
+CASES = {
+    "per-tensor": ((5, 7), (), {}),
+    "per-axis": ((5, 7), (7,), dict(axis=1)),
+    "blocked-ragged": ((5, 7), (5, 3), dict(axis=1, block_size=3)),
+    "broadcast-2d-blocks": ((6, 8), (3, 2), {}),
+}
+
+
+def _case(name, seed=0):
+  x_shape, scale_shape, kwargs = CASES[name]
+  rng = np.random.default_rng(seed)
+  x = rng.normal(0, 3, x_shape).astype(np.float32)
+  scale = rng.uniform(0.05, 1, scale_shape).astype(np.float32)
+  zero_point = rng.integers(-10, 10, scale_shape).astype(np.int8)
+  return x, scale, zero_point, kwargs
+
+
+class TransformationsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_jit_and_eager_agree_bit_for_bit(self):
+    for name in CASES:
+      x, scale, zero_point, kwargs = _case(name)
+      quantize = self.variant(functools.partial(jq.quantize_linear, **kwargs))
+      dequantize = self.variant(functools.partial(jq.dequantize_linear, **kwargs))
+      with jax.disable_jit():
+        eager_q = jq.quantize_linear(x, scale, zero_point, **kwargs)
+        eager_dq = jq.dequantize_linear(eager_q, scale, zero_point, **kwargs)
+      chex.assert_trees_all_equal(quantize(x, scale, zero_point), eager_q)
+      chex.assert_trees_all_equal(dequantize(eager_q, scale, zero_point), eager_dq)
+
+  def test_vmap_over_a_batch_matches_a_loop(self):
+    for name in CASES:
+      batch = [_case(name, seed) for seed in range(3)]
+      kwargs = batch[0][3]
+      xs, scales, zero_points = (np.stack([b[i] for b in batch]) for i in range(3))
+      quantize = functools.partial(jq.quantize_linear, **kwargs)
+      mapped = jax.vmap(quantize)(xs, scales, zero_points)
+      for i, (x, scale, zero_point, _) in enumerate(batch):
+        chex.assert_trees_all_equal(mapped[i], quantize(x, scale, zero_point))
+      dequantize = functools.partial(jq.dequantize_linear, **kwargs)
+      back = jax.vmap(dequantize)(mapped, scales, zero_points)
+      for i, (_, scale, zero_point, _) in enumerate(batch):
+        chex.assert_trees_all_equal(back[i], dequantize(mapped[i], scale, zero_point))
+
+  def test_grad_of_dequantize_wrt_scale(self):
+    for name in CASES:
+      x, scale, zero_point, kwargs = _case(name)
+      q = jq.quantize_linear(x, scale, zero_point, **kwargs)
+      weights = np.random.default_rng(5).normal(size=x.shape).astype(np.float32)
+      loss = lambda s: jnp.sum(weights * jq.dequantize_linear(q, s, zero_point, **kwargs))
+      grad = jax.grad(loss)(scale)
+      # d loss / d scale_k = sum over scale element k's block of w * (q - zp).
+      x_shape = x.shape
+      ones = np.ones_like(scale)
+      axis, block_size = kwargs.get("axis", 1), kwargs.get("block_size", 0)
+      contribution = weights * (np.asarray(q, np.float32)
+                                - expand_scale(zero_point, x_shape, axis, block_size))
+      expected = np.zeros_like(scale)
+      for k in np.ndindex(scale.shape):
+        mask = np.zeros_like(ones)
+        mask[k] = 1
+        expected[k] = np.sum(contribution * expand_scale(mask, x_shape, axis, block_size))
+      np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5)
+
+  def test_new_values_same_shapes_do_not_retrace(self):
+    traces = []
+
+    @jax.jit
+    def model(x, scale, zero_point):
+      traces.append(None)
+      q = jq.quantize_linear(x, scale, zero_point, axis=1, block_size=3)
+      return jq.dequantize_linear(q, scale, zero_point, axis=1, block_size=3)
+
+    for seed in range(3):
+      model(*_case("blocked-ragged", seed)[:3])
+    assert len(traces) == 1
+    before = jq.quantize_linear._cache_size()
+    for seed in range(3):
+      jq.quantize_linear(*_case("per-axis", seed)[:3], axis=1)
+    assert jq.quantize_linear._cache_size() <= before + 1
