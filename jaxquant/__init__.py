@@ -1,6 +1,8 @@
 """jaxquant: ONNX-exact linear quantization for JAX."""
 
 from jaxquant._dtypes import QuantizedDType as QuantizedDType
+from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
+from jaxquant._elementwise import quantized_add as quantized_add
 from jaxquant._granularity import Granularity as Granularity
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
@@ -13,7 +15,9 @@ __all__ = (
     "Granularity",
     "QuantizedDType",
     "dequantize_linear",
+    "dynamic_quantize_linear",
     "pack_int4",
     "quantize_linear",
+    "quantized_add",
     "unpack_int4",
 )

@@ -179,21 +179,8 @@ def apply_blockwise(
   split = granularity.split_dims
   if not split:
     return formula(x, *params)
-
   unpadded_shape = x.shape
-  padded_shape = list(x.shape)
-  blocked_shape = []
-  for d, length in enumerate(x.shape):
-    if d in split:
-      blocks, block = granularity.param_shape[d], granularity.block_shape[d]
-      padded_shape[d] = blocks * block
-      blocked_shape += [blocks, block]
-    else:
-      blocked_shape.append(length)
-  padding = [(0, p - n) for p, n in zip(padded_shape, x.shape)]
-  if any(high for _, high in padding):
-    x = jnp.pad(x, padding)
-  x = x.reshape(blocked_shape)
+  x, padded_shape = _blocked_view(x, granularity, padding_value=0)
 
   def per_block(x_block, *block_params):
     return formula(x_block, *(
@@ -212,3 +199,84 @@ def apply_blockwise(
     )
   y = mapped(x, *params).reshape(padded_shape)
   return y[tuple(slice(0, n) for n in unpadded_shape)]
+
+
+def _blocked_view(x: jax.Array, granularity: Granularity, *, padding_value) -> tuple[jax.Array, list[int]]:
+  """x padded to whole blocks along each split dim, each split into ``(blocks, block)``."""
+  padded_shape, blocked_shape = list(x.shape), []
+  for d, length in enumerate(x.shape):
+    if d in granularity.split_dims:
+      blocks, block = granularity.param_shape[d], granularity.block_shape[d]
+      padded_shape[d] = blocks * block
+      blocked_shape += [blocks, block]
+    else:
+      blocked_shape.append(length)
+  padding = [(0, p - n) for p, n in zip(padded_shape, x.shape)]
+  if any(high for _, high in padding):
+    x = jnp.pad(x, padding, constant_values=padding_value)
+  return x.reshape(blocked_shape), padded_shape
+
+
+def for_reduction(
+    function: str, x_shape: Sequence[int], *, axis: int | None, block_size: int
+) -> Granularity:
+  """The layout of parameters computed from x itself (dynamic quantization).
+
+  ``axis=None`` gives one parameter for the tensor, ``axis=k`` one per index
+  of dimension k, ``axis=k, block_size=B`` one per block of B along k.
+
+  Raises:
+    ValueError: if ``axis`` or ``block_size`` is out of range.
+  """
+  x_shape = tuple(x_shape)
+  rank = len(x_shape)
+  _validate.check(
+      isinstance(block_size, int) and block_size >= 0, function, "block_size",
+      "a non-negative int", block_size,
+  )
+  if axis is None:
+    _validate.check(
+        block_size == 0, function, "block_size",
+        "0 when axis is None (one scale for the tensor)", block_size,
+    )
+    return Granularity("per-tensor", (1,) * rank, x_shape)
+  axis = _validate.normalize_axis(function, axis, rank)
+  if block_size == 0:
+    param_shape = tuple(x_shape[axis] if d == axis else 1 for d in range(rank))
+    block_shape = tuple(1 if d == axis else x_shape[d] for d in range(rank))
+    return Granularity("per-axis", param_shape, block_shape, axis)
+  param_shape = tuple(-(-n // block_size) if d == axis else n for d, n in enumerate(x_shape))
+  block_shape = tuple(block_size if d == axis else 1 for d in range(rank))
+  return Granularity("blocked", param_shape, block_shape, axis)
+
+
+def reduce_blockwise(
+    reduction: Callable[[jax.Array, tuple[int, ...]], tuple[jax.Array, ...]],
+    x: jax.Array,
+    granularity: Granularity,
+    *,
+    padding_value,
+) -> tuple[jax.Array, ...]:
+  """Reduces x over each block, giving arrays of ``granularity.param_shape``.
+
+  Args:
+    reduction: ``reduction(x_view, axes)`` reduces ``x_view`` over ``axes``
+      (no kept dims) and returns a tuple of arrays.
+    x: the input.
+    granularity: the parameters' layout (from :func:`for_reduction` or :func:`resolve`).
+    padding_value: fills short last blocks; it must not change the reduction.
+
+  Returns:
+    The reduction's outputs, each of ``granularity.param_shape``.
+  """
+  view, _ = _blocked_view(x, granularity, padding_value=padding_value)
+  axes, position = [], 0
+  for d in range(x.ndim):
+    if d in granularity.split_dims:
+      axes.append(position + 1)
+      position += 2
+    else:
+      if granularity.param_shape[d] == 1:
+        axes.append(position)
+      position += 1
+  return tuple(r.reshape(granularity.param_shape) for r in reduction(view, tuple(axes)))

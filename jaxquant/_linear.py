@@ -49,7 +49,7 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
   return x / jnp.where(jnp.isnan(x), x, scale)
 
 
-def _dequantize_formula(x, scale, zero_point, *, info, output_dtype):
+def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
   if zero_point is not None:
     if info.is_integer:
       # int32 holds every difference of <= 16-bit types exactly; 32-bit types
@@ -131,11 +131,11 @@ def dequantize_linear(
       axis=axis, block_size=block_size,
   )
   _dispatch.select(function, implementation)
-  formula = functools.partial(_dequantize_formula, info=info, output_dtype=output_dtype)
+  formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
   return _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)
 
 
-def _quantize_formula(x, scale, zero_point, *, info, precision, saturate):
+def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
   accumulate = _dtypes.compute_dtype(x.dtype, precision)
   quotient = true_divide(x.astype(precision), scale.astype(precision))
   return _dtypes.round_and_saturate(
@@ -248,6 +248,6 @@ def quantize_linear(
   )
   _dispatch.select(function, implementation)
   formula = functools.partial(
-      _quantize_formula, info=info, precision=np.dtype(precision), saturate=saturate
+      quantize_formula, info=info, precision=np.dtype(precision), saturate=saturate
   )
   return _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)

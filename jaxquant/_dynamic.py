@@ -1,0 +1,150 @@
+"""ONNX DynamicQuantizeLinear, per tensor, per axis and per block (SPEC §3)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _dispatch
+from jaxquant import _dtypes
+from jaxquant import _granularity
+from jaxquant import _linear
+from jaxquant import _validate
+
+
+def _min_max(view: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """min and max ignoring NaNs, in one variadic reduction: one pass over x."""
+  nan = jnp.isnan(view)
+  return lax.reduce(
+      (jnp.where(nan, jnp.inf, view), jnp.where(nan, -jnp.inf, view)),
+      (np.float32(np.inf), np.float32(-np.inf)),
+      lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])),
+      axes,
+  )
+
+
+def _max_magnitude(view: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array]:
+  magnitude = jnp.abs(view)
+  return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes),)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("dtype", "axis", "block_size", "symmetric", "implementation"),
+)
+def dynamic_quantize_linear(
+    x: ArrayLike,
+    *,
+    dtype: DTypeLike = jnp.uint8,
+    axis: int | None = None,
+    block_size: int = 0,
+    symmetric: bool = False,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  r"""Quantizes ``x`` with a scale and zero point computed from ``x``: ONNX DynamicQuantizeLinear.
+
+  .. math::
+
+    lo = \min(0, \min x), \quad hi = \max(0, \max x), \quad
+    \mathrm{scale} = \frac{hi - lo}{q_{max} - q_{min}}, \\
+    \mathrm{zero\_point} = \mathrm{round\_half\_to\_even}\left(
+        \mathrm{clip}\left(q_{min} - \frac{lo}{\mathrm{scale}}, q_{min}, q_{max}\right)\right),
+    \quad y = \mathrm{quantize\_linear}(x, \mathrm{scale}, \mathrm{zero\_point})
+
+  in float32, NaNs ignored by the min and max (they quantize to ``q_min``).
+  The range always holds 0, so 0 is exactly representable. ``hi == lo`` (all
+  zeros, all NaN, or empty) gives scale 1 and zero point ``q_min``. With
+  ``symmetric=True``: zero point 0 and ``scale = max|x| / q_max`` (signed
+  dtypes only; 1 where ``max|x| == 0``). For uint8 and per-tensor this is ONNX
+  DynamicQuantizeLinear bit for bit; int8 is DirectML's.
+
+  The min and max come from one variadic reduction (one pass over ``x``). No
+  output carries a gradient; for training use ``fake_quantize``.
+
+  Args:
+    x: float32, float16 or bfloat16 input.
+    dtype: any integer quantized dtype (static).
+    axis: ``None`` for one scale for the tensor; ``k`` for one per index of
+      dimension k (1-D scale and zero point), or one per block with ``block_size``.
+    block_size: with ``axis``: one scale per ``block_size`` elements along it
+      (the scale then has x's rank, ``ceil(D / block_size)`` along ``axis``).
+    symmetric: zero point 0, scale from ``max|x|``.
+    implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+
+  Returns:
+    ``(y, scale, zero_point)``: ``y`` like x in ``dtype``; ``scale`` float32 and
+    ``zero_point`` in ``dtype``, shaped so that
+    ``dequantize_linear(y, scale, zero_point, axis=axis, block_size=block_size)``
+    reconstructs x within ``scale / 2`` per element.
+
+  Raises:
+    TypeError: if ``x`` is not a float array or ``dtype`` not an integer quantized dtype.
+    ValueError: for ``symmetric=True`` with an unsigned dtype, or ``axis`` /
+      ``block_size`` out of range.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> y, scale, zero_point = jq.dynamic_quantize_linear(jnp.array([0.0, 2.0, -2.5, -3.0]))
+    >>> y, scale, zero_point
+    (Array([153, 255,  26,   0], dtype=uint8), Array(0.01960784, dtype=float32), Array(153, dtype=uint8))
+  """
+  function = "dynamic_quantize_linear"
+  x = jnp.asarray(x)
+  _validate.check(
+      jnp.issubdtype(x.dtype, jnp.floating), function, "x.dtype",
+      "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
+  )
+  info = _dtypes.quantized_dtype(function, "dtype", dtype)
+  _validate.check(
+      info.is_integer, function, "dtype", "an integer quantized dtype", info.name,
+      error=TypeError,
+  )
+  _validate.check(
+      not symmetric or info.min < 0, function, "dtype",
+      "a signed integer dtype when symmetric=True", info.name,
+  )
+  granularity = _granularity.for_reduction(
+      function, x.shape, axis=axis, block_size=block_size
+  )
+  _dispatch.select(function, implementation)
+  accumulate = _dtypes.compute_dtype(x.dtype)
+  values = x.astype(accumulate)
+  qmin, qmax = accumulate.type(info.min), accumulate.type(info.max)
+
+  if symmetric:
+    (magnitude,) = _granularity.reduce_blockwise(
+        _max_magnitude, values, granularity, padding_value=0
+    )
+    scale = jnp.where(magnitude == 0, accumulate.type(1), magnitude / qmax)
+    zero_point = jnp.zeros_like(scale, info.dtype)
+  else:
+    low, high = _granularity.reduce_blockwise(
+        _min_max, values, granularity, padding_value=np.nan
+    )
+    low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
+    scale = jnp.where(high == low, accumulate.type(1), (high - low) / (qmax - qmin))
+    # A NaN here (lo = -inf gives -inf / inf) clips to qmax, as std::min/std::max
+    # do in onnxruntime and min/max in the ONNX reference.
+    shifted = qmin - low / scale
+    zero_point = jnp.round(jnp.where(jnp.isnan(shifted), qmax, jnp.clip(shifted, qmin, qmax)))
+    zero_point = zero_point.astype(info.dtype)
+
+  y = _granularity.apply_blockwise(
+      functools.partial(
+          _linear.quantize_formula, info=info, precision=accumulate, saturate=True
+      ),
+      x, [scale, zero_point], granularity,
+  )
+  if granularity.kind == "per-tensor":
+    shape = ()
+  elif granularity.kind == "per-axis":
+    shape = (x.shape[granularity.axis],)
+  else:
+    shape = granularity.param_shape
+  return y, scale.reshape(shape), zero_point.reshape(shape)
