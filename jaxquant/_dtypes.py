@@ -81,8 +81,13 @@ def _names(dtypes: tuple[np.dtype, ...]) -> str:
   return ", ".join(d.name for d in dtypes)
 
 
-def quantized_dtype(function: str, argument: str, dtype: Any) -> QuantizedDType:
-  """Looks ``dtype`` up in the table; a ``TypeError`` naming ``argument`` if absent."""
+def quantized_dtype(
+    function: str, argument: str, dtype: Any, *, integer: bool = False
+) -> QuantizedDType:
+  """Looks ``dtype`` up in the table; a ``TypeError`` naming ``argument`` if absent.
+
+  With ``integer=True`` the float8 and float4 entries are refused too.
+  """
   try:
     info = _QUANTIZED_DTYPES.get(np.dtype(dtype))
   except TypeError:
@@ -92,7 +97,20 @@ def quantized_dtype(function: str, argument: str, dtype: Any) -> QuantizedDType:
         function, argument, f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})",
         dtype, error=TypeError,
     )
+  _validate.check(
+      info.is_integer or not integer, function, argument, "an integer quantized dtype",
+      info.name, error=TypeError,
+  )
   return info
+
+
+def float_input(function: str, argument: str, x: jax.Array) -> jax.Array:
+  """Checks that the array ``x`` holds floats to quantize."""
+  _validate.check(
+      jnp.issubdtype(x.dtype, jnp.floating), function, f"{argument}.dtype",
+      "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
+  )
+  return x
 
 
 def scale_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
@@ -104,8 +122,8 @@ def scale_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
   return np.dtype(dtype)
 
 
-def output_float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
-  """Checks that ``dtype`` is a float dtype an op may return."""
+def float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
+  """Checks that ``dtype`` is a float dtype an op may return or compute in."""
   try:
     dtype = np.dtype(dtype)
   except TypeError:

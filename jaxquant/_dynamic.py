@@ -95,16 +95,8 @@ def dynamic_quantize_linear(
     (Array([153, 255,  26,   0], dtype=uint8), Array(0.01960784, dtype=float32), Array(153, dtype=uint8))
   """
   function = "dynamic_quantize_linear"
-  x = jnp.asarray(x)
-  _validate.check(
-      jnp.issubdtype(x.dtype, jnp.floating), function, "x.dtype",
-      "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
-  )
-  info = _dtypes.quantized_dtype(function, "dtype", dtype)
-  _validate.check(
-      info.is_integer, function, "dtype", "an integer quantized dtype", info.name,
-      error=TypeError,
-  )
+  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
   _validate.check(
       not symmetric or info.min < 0, function, "dtype",
       "a signed integer dtype when symmetric=True", info.name,

@@ -26,11 +26,7 @@ def _per_tensor(function: str, name: str, value: jax.Array) -> jax.Array:
 def _operand(function, name, values, scale, zero_point):
   """Validates one quantized operand; returns it with scalar scale and zero point."""
   values, scale = jnp.asarray(values), jnp.asarray(scale)
-  info = _dtypes.quantized_dtype(function, f"{name}.dtype", values.dtype)
-  _validate.check(
-      info.is_integer, function, f"{name}.dtype", "an integer quantized dtype", info.name,
-      error=TypeError,
-  )
+  info = _dtypes.quantized_dtype(function, f"{name}.dtype", values.dtype, integer=True)
   _dtypes.scale_dtype(function, f"{name}_scale", scale.dtype)
   zero_point = _linear.zero_point_array(function, zero_point, info.dtype)
   if zero_point is not None:
@@ -103,13 +99,7 @@ def quantized_add(
   except ValueError:
     _validate.fail(function, "b.shape", f"broadcastable with a.shape {a.shape}", b.shape)
   out_info = _linear.quantized_output_dtype(
-      function, out_zero_point, a.dtype if output_dtype is None and (
-          out_zero_point is None or jnp.asarray(out_zero_point).weak_type
-      ) else output_dtype,
-  )
-  _validate.check(
-      out_info.is_integer, function, "output_dtype", "an integer quantized dtype",
-      out_info.name, error=TypeError,
+      function, out_zero_point, output_dtype, default=a.dtype, integer=True
   )
   out_scale = jnp.asarray(out_scale)
   _dtypes.scale_dtype(function, "out_scale", out_scale.dtype)

@@ -125,7 +125,7 @@ def dequantize_linear(
     output_dtype = (
         scale.dtype if scale.dtype in _dtypes.OUTPUT_FLOAT_DTYPES else jnp.float32
     )
-  output_dtype = _dtypes.output_float_dtype(function, "output_dtype", output_dtype)
+  output_dtype = _dtypes.float_dtype(function, "output_dtype", output_dtype)
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
@@ -144,9 +144,14 @@ def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
 
 
 def quantized_output_dtype(
-    function: str, zero_point: ArrayLike | None, output_dtype: DTypeLike | None
+    function: str,
+    zero_point: ArrayLike | None,
+    output_dtype: DTypeLike | None,
+    *,
+    default: DTypeLike = jnp.uint8,
+    integer: bool = False,
 ) -> _dtypes.QuantizedDType:
-  """The zero point's dtype, else ``output_dtype``, else uint8; a conflict is an error."""
+  """The zero point's dtype, else ``output_dtype``, else ``default``; a conflict is an error."""
   if zero_point is not None and not jnp.asarray(zero_point).weak_type:
     zero_point_dtype = jnp.asarray(zero_point).dtype
     if output_dtype is not None:
@@ -156,7 +161,8 @@ def quantized_output_dtype(
       )
     output_dtype = zero_point_dtype
   return _dtypes.quantized_dtype(
-      function, "output_dtype", jnp.uint8 if output_dtype is None else output_dtype
+      function, "output_dtype", default if output_dtype is None else output_dtype,
+      integer=integer,
   )
 
 
@@ -225,29 +231,19 @@ def quantize_linear(
     Array([ -2,   0,   2, 127], dtype=int8)
   """
   function = "quantize_linear"
-  x, scale = jnp.asarray(x), jnp.asarray(scale)
-  _validate.check(
-      jnp.issubdtype(x.dtype, jnp.floating), function, "x.dtype",
-      "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
-  )
+  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  scale = jnp.asarray(scale)
   _dtypes.scale_dtype(function, "scale", scale.dtype)
   info = quantized_output_dtype(function, zero_point, output_dtype)
   zero_point = zero_point_array(function, zero_point, info.dtype)
-  precision = _dtypes.compute_dtype(x.dtype) if precision is None else precision
-  try:
-    precision_ok = jnp.issubdtype(precision, jnp.floating)
-  except TypeError:
-    precision_ok = False
-  _validate.check(
-      precision_ok, function, "precision", "None or a float dtype", precision,
-      error=TypeError,
-  )
+  precision = (_dtypes.compute_dtype(x.dtype) if precision is None
+               else _dtypes.float_dtype(function, "precision", precision))
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
   _dispatch.select(function, implementation)
   formula = functools.partial(
-      quantize_formula, info=info, precision=np.dtype(precision), saturate=saturate
+      quantize_formula, info=info, precision=precision, saturate=saturate
   )
   return _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)
