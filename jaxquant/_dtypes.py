@@ -77,8 +77,24 @@ OUTPUT_FLOAT_DTYPES = tuple(
 )
 
 
+INPUT_FLOAT_DTYPES = OUTPUT_FLOAT_DTYPES + (np.dtype(np.float64),)
+
+
 def _names(dtypes: tuple[np.dtype, ...]) -> str:
   return ", ".join(d.name for d in dtypes)
+
+
+def _as_dtype(dtype: Any) -> np.dtype | None:
+  try:
+    return np.dtype(dtype)
+  except TypeError:
+    return None
+
+
+def _name(dtype: Any) -> str:
+  """A dtype's name for messages (``jnp.float32`` prints as a class otherwise)."""
+  as_dtype = _as_dtype(dtype)
+  return repr(dtype) if as_dtype is None else as_dtype.name
 
 
 def quantized_dtype(
@@ -88,14 +104,11 @@ def quantized_dtype(
 
   With ``integer=True`` the float8 and float4 entries are refused too.
   """
-  try:
-    info = _QUANTIZED_DTYPES.get(np.dtype(dtype))
-  except TypeError:
-    info = None
+  info = _QUANTIZED_DTYPES.get(_as_dtype(dtype))
   if info is None:
     _validate.fail(
         function, argument, f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})",
-        dtype, error=TypeError,
+        _name(dtype), error=TypeError,
     )
   _validate.check(
       info.is_integer or not integer, function, argument, "an integer quantized dtype",
@@ -105,34 +118,33 @@ def quantized_dtype(
 
 
 def float_input(function: str, argument: str, x: jax.Array) -> jax.Array:
-  """Checks that the array ``x`` holds floats to quantize."""
+  """Checks that the array ``x`` holds floats to quantize (float64 too, under x64)."""
   _validate.check(
-      jnp.issubdtype(x.dtype, jnp.floating), function, f"{argument}.dtype",
+      x.dtype in INPUT_FLOAT_DTYPES, function, f"{argument}.dtype",
       "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
   )
   return x
 
 
-def scale_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
-  """Checks that ``dtype`` may hold a scale."""
+def scale_array(function: str, argument: str, scale: Any) -> jax.Array:
+  """``scale`` as an array; a Python float is float32 (not float64 under x64)."""
+  scale = jnp.asarray(scale)
+  if scale.weak_type and jnp.issubdtype(scale.dtype, jnp.floating):
+    scale = scale.astype(jnp.float32)
   _validate.check(
-      np.dtype(dtype) in SCALE_DTYPES, function, f"{argument}.dtype",
-      f"one of {_names(SCALE_DTYPES)}", np.dtype(dtype).name, error=TypeError,
+      scale.dtype in SCALE_DTYPES, function, f"{argument}.dtype",
+      f"one of {_names(SCALE_DTYPES)}", scale.dtype.name, error=TypeError,
   )
-  return np.dtype(dtype)
+  return scale
 
 
 def float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
   """Checks that ``dtype`` is a float dtype an op may return or compute in."""
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    pass
   _validate.check(
-      dtype in OUTPUT_FLOAT_DTYPES, function, argument,
-      f"one of {_names(OUTPUT_FLOAT_DTYPES)}", dtype, error=TypeError,
+      _as_dtype(dtype) in OUTPUT_FLOAT_DTYPES, function, argument,
+      f"one of {_names(OUTPUT_FLOAT_DTYPES)}", _name(dtype), error=TypeError,
   )
-  return dtype
+  return _as_dtype(dtype)
 
 
 def compute_dtype(*dtypes: Any) -> np.dtype:

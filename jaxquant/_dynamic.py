@@ -97,6 +97,7 @@ def dynamic_quantize_linear(
   function = "dynamic_quantize_linear"
   x = _dtypes.float_input(function, "x", jnp.asarray(x))
   info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
+  symmetric = _validate.static_bool(function, "symmetric", symmetric)
   _validate.check(
       not symmetric or info.min < 0, function, "dtype",
       "a signed integer dtype when symmetric=True", info.name,
@@ -113,17 +114,21 @@ def dynamic_quantize_linear(
     (magnitude,) = _granularity.reduce_blockwise(
         _max_magnitude, values, granularity, padding_value=0
     )
-    scale = jnp.where(magnitude == 0, accumulate.type(1), magnitude / qmax)
+    scale = jnp.where(
+        magnitude == 0, accumulate.type(1), _linear.true_divide(magnitude, qmax)
+    )
     zero_point = jnp.zeros_like(scale, info.dtype)
   else:
     low, high = _granularity.reduce_blockwise(
         _min_max, values, granularity, padding_value=np.nan
     )
     low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
-    scale = jnp.where(high == low, accumulate.type(1), (high - low) / (qmax - qmin))
+    scale = jnp.where(
+        high == low, accumulate.type(1), _linear.true_divide(high - low, qmax - qmin)
+    )
     # A NaN here (lo = -inf gives -inf / inf) clips to qmax, as std::min/std::max
     # do in onnxruntime and min/max in the ONNX reference.
-    shifted = qmin - low / scale
+    shifted = qmin - _linear.true_divide(low, scale)
     zero_point = jnp.round(jnp.where(jnp.isnan(shifted), qmax, jnp.clip(shifted, qmin, qmax)))
     zero_point = zero_point.astype(info.dtype)
 

@@ -25,10 +25,10 @@ def _per_tensor(function: str, name: str, value: jax.Array) -> jax.Array:
 
 def _operand(function, name, values, scale, zero_point):
   """Validates one quantized operand; returns it with scalar scale and zero point."""
-  values, scale = jnp.asarray(values), jnp.asarray(scale)
+  values = jnp.asarray(values)
   info = _dtypes.quantized_dtype(function, f"{name}.dtype", values.dtype, integer=True)
-  _dtypes.scale_dtype(function, f"{name}_scale", scale.dtype)
-  zero_point = _linear.zero_point_array(function, zero_point, info.dtype)
+  scale = _dtypes.scale_array(function, f"{name}_scale", scale)
+  zero_point = _linear.zero_point_array(function, f"{name}_zero_point", zero_point, info.dtype)
   if zero_point is not None:
     zero_point = _per_tensor(function, f"{name}_zero_point", zero_point)
   return values, info, _per_tensor(function, f"{name}_scale", scale), zero_point
@@ -99,12 +99,15 @@ def quantized_add(
   except ValueError:
     _validate.fail(function, "b.shape", f"broadcastable with a.shape {a.shape}", b.shape)
   out_info = _linear.quantized_output_dtype(
-      function, out_zero_point, output_dtype, default=a.dtype, integer=True
+      function, out_zero_point, output_dtype, argument="out_zero_point", default=a.dtype,
+      integer=True,
   )
-  out_scale = jnp.asarray(out_scale)
-  _dtypes.scale_dtype(function, "out_scale", out_scale.dtype)
-  out_scale = _per_tensor(function, "out_scale", out_scale)
-  out_zero_point = _linear.zero_point_array(function, out_zero_point, out_info.dtype)
+  out_scale = _per_tensor(
+      function, "out_scale", _dtypes.scale_array(function, "out_scale", out_scale)
+  )
+  out_zero_point = _linear.zero_point_array(
+      function, "out_zero_point", out_zero_point, out_info.dtype
+  )
   if out_zero_point is not None:
     out_zero_point = _per_tensor(function, "out_zero_point", out_zero_point)
   _dispatch.select(function, implementation)

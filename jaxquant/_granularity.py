@@ -84,10 +84,7 @@ def resolve(
   """
   x_shape, scale_shape = tuple(x_shape), tuple(scale_shape)
   rank = len(x_shape)
-  _validate.check(
-      isinstance(block_size, int) and block_size >= 0, function, "block_size",
-      "a non-negative int", block_size,
-  )
+  block_size = _validate.block_size(function, block_size)
   if zero_point_shape is not None:
     _validate.check(
         tuple(zero_point_shape) == scale_shape, function, "zero_point.shape",
@@ -230,10 +227,7 @@ def for_reduction(
   """
   x_shape = tuple(x_shape)
   rank = len(x_shape)
-  _validate.check(
-      isinstance(block_size, int) and block_size >= 0, function, "block_size",
-      "a non-negative int", block_size,
-  )
+  block_size = _validate.block_size(function, block_size)
   if axis is None:
     _validate.check(
         block_size == 0, function, "block_size",

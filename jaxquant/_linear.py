@@ -17,20 +17,27 @@ from jaxquant import _validate
 
 
 def zero_point_array(
-    function: str, zero_point: ArrayLike | None, dtype: np.dtype
+    function: str, argument: str, zero_point: ArrayLike | None, dtype: np.dtype
 ) -> jax.Array | None:
   """``zero_point`` as an array of ``dtype``; a Python number takes ``dtype``.
 
   Raises:
-    TypeError: if an array zero point has a dtype other than ``dtype``.
+    TypeError: if an array zero point has a dtype other than ``dtype``, or a
+      Python float is given for an integer ``dtype`` (it would be truncated).
   """
   if zero_point is None:
     return None
   zero_point = jnp.asarray(zero_point)
   if zero_point.weak_type:
+    _validate.check(
+        not (jnp.issubdtype(dtype, jnp.integer)
+             and jnp.issubdtype(zero_point.dtype, jnp.floating)),
+        function, argument, f"an integer for the integer dtype {np.dtype(dtype).name}",
+        "a Python float", error=TypeError,
+    )
     return zero_point.astype(dtype)
   _validate.check(
-      zero_point.dtype == dtype, function, "zero_point.dtype",
+      zero_point.dtype == dtype, function, f"{argument}.dtype",
       f"{np.dtype(dtype).name} (the quantized dtype)", zero_point.dtype.name,
       error=TypeError,
   )
@@ -117,10 +124,10 @@ def dequantize_linear(
     Array([-64. , -62.5,  63.5], dtype=float32)
   """
   function = "dequantize_linear"
-  x, scale = jnp.asarray(x), jnp.asarray(scale)
+  x = jnp.asarray(x)
   info = _dtypes.quantized_dtype(function, "x.dtype", x.dtype)
-  _dtypes.scale_dtype(function, "scale", scale.dtype)
-  zero_point = zero_point_array(function, zero_point, info.dtype)
+  scale = _dtypes.scale_array(function, "scale", scale)
+  zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
   if output_dtype is None:
     output_dtype = (
         scale.dtype if scale.dtype in _dtypes.OUTPUT_FLOAT_DTYPES else jnp.float32
@@ -148,18 +155,22 @@ def quantized_output_dtype(
     zero_point: ArrayLike | None,
     output_dtype: DTypeLike | None,
     *,
+    argument: str = "zero_point",
     default: DTypeLike = jnp.uint8,
     integer: bool = False,
 ) -> _dtypes.QuantizedDType:
   """The zero point's dtype, else ``output_dtype``, else ``default``; a conflict is an error."""
   if zero_point is not None and not jnp.asarray(zero_point).weak_type:
-    zero_point_dtype = jnp.asarray(zero_point).dtype
+    info = _dtypes.quantized_dtype(
+        function, f"{argument}.dtype", jnp.asarray(zero_point).dtype, integer=integer
+    )
     if output_dtype is not None:
+      _dtypes.quantized_dtype(function, "output_dtype", output_dtype, integer=integer)
       _validate.check(
-          np.dtype(output_dtype) == zero_point_dtype, function, "output_dtype",
-          f"None or zero_point's dtype {zero_point_dtype.name}", np.dtype(output_dtype).name,
+          np.dtype(output_dtype) == info.dtype, function, "output_dtype",
+          f"None or {argument}'s dtype {info.name}", np.dtype(output_dtype).name,
       )
-    output_dtype = zero_point_dtype
+    return info
   return _dtypes.quantized_dtype(
       function, "output_dtype", default if output_dtype is None else output_dtype,
       integer=integer,
@@ -232,10 +243,10 @@ def quantize_linear(
   """
   function = "quantize_linear"
   x = _dtypes.float_input(function, "x", jnp.asarray(x))
-  scale = jnp.asarray(scale)
-  _dtypes.scale_dtype(function, "scale", scale.dtype)
+  scale = _dtypes.scale_array(function, "scale", scale)
+  saturate = _validate.static_bool(function, "saturate", saturate)
   info = quantized_output_dtype(function, zero_point, output_dtype)
-  zero_point = zero_point_array(function, zero_point, info.dtype)
+  zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
   precision = (_dtypes.compute_dtype(x.dtype) if precision is None
                else _dtypes.float_dtype(function, "precision", precision))
   granularity = _granularity.resolve(

@@ -61,7 +61,6 @@ def pack_int4(x: ArrayLike) -> jax.Array:
   return nibbles[:, 0] | (nibbles[:, 1] << 4)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
   r"""Unpacks bytes written by :func:`pack_int4` (or by ONNX) into a 4-bit array.
 
@@ -91,13 +90,24 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     Array([1, -1, 7], dtype=int4)
   """
   function = "unpack_int4"
+  _validate.check(
+      isinstance(shape, Sequence) and all(
+          isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+          for n in shape
+      ),
+      function, "shape", "a sequence of non-negative ints", repr(shape), error=TypeError,
+  )
+  return _unpack(packed, tuple(int(n) for n in shape), _four_bit_dtype(function, "dtype", dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _unpack(packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+  function = "unpack_int4"
   packed = jnp.asarray(packed)
-  dtype = _four_bit_dtype(function, "dtype", dtype)
   _validate.check(
       packed.dtype == jnp.uint8, function, "packed.dtype", "uint8", packed.dtype.name,
       error=TypeError,
   )
-  shape = tuple(shape)
   size = math.prod(shape)
   _validate.check(
       packed.shape == ((size + 1) // 2,), function, "packed.shape",

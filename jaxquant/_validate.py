@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+import numpy as np
+
 
 def fail(
     function: str,
@@ -35,13 +37,36 @@ def check(
     fail(function, argument, expected, got, error=error)
 
 
-def normalize_axis(function: str, axis: int, ndim: int) -> int:
-  """Returns ``axis`` as a non-negative index into a rank-``ndim`` array."""
+def static_int(function: str, argument: str, value: object) -> int:
+  """Checks that a static option is an integer (a bool is none here)."""
   check(
-      isinstance(axis, int) and -ndim <= axis < ndim,
-      function,
-      "axis",
-      f"an int in [{-ndim}, {ndim}) for an input of rank {ndim}",
-      axis,
+      isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+      function, argument, "an int", repr(value), error=TypeError,
+  )
+  return int(value)
+
+
+def block_size(function: str, value: object) -> int:
+  """Checks ``block_size``: a non-negative int, 0 meaning not blocked."""
+  value = static_int(function, "block_size", value)
+  check(value >= 0, function, "block_size", "a non-negative int", value)
+  return value
+
+
+def static_bool(function: str, argument: str, value: object) -> bool:
+  """Checks a static flag, so that a string such as 'no' is not silently true."""
+  check(
+      isinstance(value, (bool, np.bool_)), function, argument, "a bool", repr(value),
+      error=TypeError,
+  )
+  return bool(value)
+
+
+def normalize_axis(function: str, axis: object, ndim: int) -> int:
+  """Returns ``axis`` as a non-negative index into a rank-``ndim`` array."""
+  axis = static_int(function, "axis", axis)
+  check(
+      -ndim <= axis < ndim, function, "axis",
+      f"an int in [{-ndim}, {ndim}) for an input of rank {ndim}", axis,
   )
   return axis % ndim
