@@ -50,8 +50,6 @@ class Granularity:
 
 
 def _block_size_range(length: int, blocks: int) -> str:
-  if blocks == 0:
-    return f"impossible: scale has 0 blocks along axis for length {length}"
   low = -(-length // blocks)
   high = "inf" if blocks == 1 else str(-(-length // (blocks - 1)) - 1)
   return f"in ONNX's range [ceil(D/S), ceil(D/(S-1)) - 1] = [{low}, {high}]"
@@ -124,6 +122,12 @@ def resolve(
         function, "scale.shape", f"equal to x.shape {x_shape} except along axis {axis}",
         scale_shape,
     )
+    if scale_shape[axis] != expected[axis] and (x_shape[axis] == 0 or scale_shape[axis] == 0):
+      # No block_size fits: an empty axis has no blocks, a non-empty one has some.
+      _validate.fail(
+          function, "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
+          f"{block_size} along axis {axis}", scale_shape,
+      )
     _validate.check(
         scale_shape[axis] == expected[axis], function, "block_size",
         f"{_block_size_range(x_shape[axis], scale_shape[axis])} for x.shape[{axis}]="
@@ -134,8 +138,9 @@ def resolve(
 
   _validate.check(
       len(scale_shape) == rank or 2 <= len(scale_shape) < rank, function, "scale.shape",
-      f"(), one element, (x.shape[axis],), or of rank 2..{rank} for x.shape {x_shape}",
-      scale_shape,
+      "(), one element, (x.shape[axis],), or of x's rank"
+      + (f" (or 2..{rank - 1}, left-padded)" if rank > 2 else "")
+      + f" for x.shape {x_shape}", scale_shape,
   )
   param_shape = (1,) * (rank - len(scale_shape)) + scale_shape
   _validate.check(

@@ -232,8 +232,15 @@ ERROR_CASES = [
           r"scale\.shape must be block-wise broadcastable to x\.shape \(4,\) .*, "
           r"got \(3,\)\."),
     _case("dq-scale-rank-above-x", dq, (_int8(2, 4), _float32(1, 2, 4)), ValueError,
-          r"scale\.shape must be \(\), one element, \(x\.shape\[axis\],\), or of rank "
-          r"2\.\.2 for x\.shape \(2, 4\), got \(1, 2, 4\)\."),
+          r"scale\.shape must be \(\), one element, \(x\.shape\[axis\],\), or of x's rank "
+          r"for x\.shape \(2, 4\), got \(1, 2, 4\)\."),
+    _case("dq-scale-rank-above-x-rank3", dq, (_int8(4, 3, 2), _float32(5, 2, 2, 2)),
+          ValueError,
+          r"scale\.shape must be \(\), one element, \(x\.shape\[axis\],\), or of x's rank "
+          r"\(or 2\.\.2, left-padded\) for x\.shape \(4, 3, 2\), got \(5, 2, 2, 2\)\."),
+    _case("dq-blocked-empty-axis", dq, (_int8(2, 0), _float32(2, 1)), ValueError,
+          r"scale\.shape must be \(2, 0\) for x\.shape \(2, 0\) blocked by 2 along axis 1, "
+          r"got \(2, 1\)\.", axis=1, block_size=2),
     _case("q-scale-rank-above-x", q, (_float32(4), _float32(2, 2)), ValueError,
           r"scale\.shape must be \(\), one element, .* for x\.shape \(4,\), "
           r"got \(2, 2\)\."),
