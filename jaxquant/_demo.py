@@ -37,20 +37,24 @@ def _seconds(function: Callable[[], jax.Array], repeats: int) -> float:
 
 
 def _schemes(weight: jax.Array, block_size: int):
-  """(name, scale, quantized dtype, granularity keywords, bytes per stored weight)."""
-  magnitude = jnp.abs(weight)
-  rows, columns = weight.shape
-  per_row = jnp.max(magnitude, axis=1) / 127.0
-  per_block = jnp.max(
-      magnitude.reshape(rows, columns // block_size, block_size), axis=2
-  ) / 7.0
-  per_tensor = jnp.max(magnitude) / float(jnp.finfo(jnp.float8_e4m3fn).max)
-  return [
-      ("int8, per-axis (one scale per row)", per_row, jnp.int8, dict(axis=0), 1.0),
-      (f"int4, blocked (block {block_size} along columns)", per_block, jnp.int4,
+  """(name, scale, quantized dtype, granularity keywords, bytes per stored weight).
+
+  The integer scales come from ``dynamic_quantize_linear`` (symmetric: zero
+  point 0, scale = max|w| / qmax per row or per block).
+  """
+  schemes = []
+  for name, dtype, granularity, bytes_per_weight in [
+      ("int8, per-axis (one scale per row)", jnp.int8, dict(axis=0), 1.0),
+      (f"int4, blocked (block {block_size} along columns)", jnp.int4,
        dict(axis=1, block_size=block_size), 0.5),
-      ("float8_e4m3fn, per-tensor", per_tensor, jnp.float8_e4m3fn, dict(), 1.0),
-  ]
+  ]:
+    _, scale, _ = jq.dynamic_quantize_linear(
+        weight, dtype=dtype, symmetric=True, **granularity
+    )
+    schemes.append((name, scale, dtype, granularity, bytes_per_weight))
+  per_tensor = jnp.max(jnp.abs(weight)) / float(jnp.finfo(jnp.float8_e4m3fn).max)
+  schemes.append(("float8_e4m3fn, per-tensor", per_tensor, jnp.float8_e4m3fn, {}, 1.0))
+  return schemes
 
 
 def main(argv: list[str] | None = None) -> None:
