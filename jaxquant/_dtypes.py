@@ -27,6 +27,7 @@ class QuantizedDType:
     is_integer: integer (``True``) or low-precision float (``False``).
     min: the smallest finite value (``qmin`` for integers, ``-finfo.max`` else).
     max: the largest finite value.
+    has_nan: whether the dtype encodes NaN (float4_e2m1fn does not).
   """
 
   dtype: np.dtype
@@ -34,6 +35,7 @@ class QuantizedDType:
   is_integer: bool
   min: int | float
   max: int | float
+  has_nan: bool = False
 
   @property
   def name(self) -> str:
@@ -47,7 +49,10 @@ def _integer(dtype: Any) -> QuantizedDType:
 
 def _float(dtype: Any) -> QuantizedDType:
   info = jnp.finfo(dtype)
-  return QuantizedDType(np.dtype(dtype), info.bits, False, float(info.min), float(info.max))
+  has_nan = bool(np.isnan(np.array(np.nan, dtype).astype(np.float32)))
+  return QuantizedDType(
+      np.dtype(dtype), info.bits, False, float(info.min), float(info.max), has_nan
+  )
 
 
 _QUANTIZED_DTYPES: dict[np.dtype, QuantizedDType] = {
@@ -147,6 +152,20 @@ def float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
   return _as_dtype(dtype)
 
 
+def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Rounds float ``x`` to ``dtype``'s precision and range, keeping x's dtype."""
+  info, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
+  if info.nmant >= wide.nmant:
+    return x
+  if info.nexp == wide.nexp:
+    # bfloat16 from float32: XLA may drop a cast down and back up (it allows
+    # excess precision by default) but keeps reduce_precision, which agrees
+    # with the cast here because the exponent ranges, subnormals included, match.
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  # reduce_precision flushes the narrower type's subnormals; the cast keeps them.
+  return x.astype(dtype).astype(x.dtype)
+
+
 def compute_dtype(*dtypes: Any) -> np.dtype:
   """The float dtype in which quantization arithmetic runs: float32, or float64 under x64."""
   return np.dtype(jnp.result_type(jnp.float32, *(
@@ -195,7 +214,8 @@ def round_and_saturate(
   Integers: NaN -> ``min``, +-inf and overflow clamp to the range, the clamp is
   done in float before the cast because XLA's cast maps NaN to 0. Floats: the
   dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
-  (XLA's float8 cast does not), NaN stays NaN.
+  (XLA's float8 cast does not), NaN stays NaN, or becomes +max in a dtype
+  without NaN (ONNX's float4 cast table; XLA's cast would give -0).
 
   Args:
     quotient: ``x / scale`` in float32 (or float64), broadcast against ``zero_point``.
@@ -213,6 +233,8 @@ def round_and_saturate(
       quotient = jnp.where(zero_point == 0, quotient, quotient + zero_point)
     if saturate:
       quotient = jnp.clip(quotient, info.min, info.max)
+    if not info.has_nan:
+      quotient = jnp.where(jnp.isnan(quotient), info.max, quotient)
     return quotient.astype(info.dtype)
 
   rounded = jnp.round(quotient)

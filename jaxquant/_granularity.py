@@ -128,11 +128,12 @@ def resolve(
           function, "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
           f"{block_size} along axis {axis}", scale_shape,
       )
-    _validate.check(
-        scale_shape[axis] == expected[axis], function, "block_size",
-        f"{_block_size_range(x_shape[axis], scale_shape[axis])} for x.shape[{axis}]="
-        f"{x_shape[axis]} and scale.shape[{axis}]={scale_shape[axis]}", block_size,
-    )
+    if scale_shape[axis] != expected[axis]:
+      _validate.fail(
+          function, "block_size",
+          f"{_block_size_range(x_shape[axis], scale_shape[axis])} for x.shape[{axis}]="
+          f"{x_shape[axis]} and scale.shape[{axis}]={scale_shape[axis]}", block_size,
+      )
     block_shape = tuple(block_size if d == axis else 1 for d in range(rank))
     return Granularity("blocked", scale_shape, block_shape, axis)
 
@@ -178,6 +179,10 @@ def apply_blockwise(
     ``formula``'s result, shaped like x.
   """
   params = [None if p is None else jnp.reshape(p, granularity.param_shape) for p in params]
+  for d, length in enumerate(x.shape):
+    if length == 0:
+      # An empty dim of x is a multiple of any scale dim; its blocks are empty.
+      params = [None if p is None else p[(slice(None),) * d + (slice(0, 0),)] for p in params]
   split = granularity.split_dims
   if not split:
     return formula(x, *params)

@@ -143,11 +143,15 @@ def dequantize_linear(
 
 
 def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
+  # A narrower precision is emulated: operands and quotient rounded to it,
+  # the division itself done wider. For float16 and bfloat16 that is exact:
+  # float32 has more than 2p + 2 significant bits, so the double rounding of
+  # a quotient is innocuous (Figueroa 1995).
   accumulate = _dtypes.compute_dtype(x.dtype, precision)
-  quotient = true_divide(x.astype(precision), scale.astype(precision))
-  return _dtypes.round_and_saturate(
-      quotient.astype(accumulate), zero_point, info, saturate=saturate
-  )
+  x = _dtypes.round_to(x.astype(accumulate), precision)
+  scale = _dtypes.round_to(scale.astype(accumulate), precision)
+  quotient = _dtypes.round_to(true_divide(x, scale), precision)
+  return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate)
 
 
 def quantized_output_dtype(
