@@ -1,9 +1,7 @@
 """jaxquant: ONNX-exact linear quantization for JAX."""
 
-from jaxquant._dtypes import QuantizedDType as QuantizedDType
 from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
 from jaxquant._elementwise import quantized_add as quantized_add
-from jaxquant._granularity import Granularity as Granularity
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
 from jaxquant._packing import pack_int4 as pack_int4
@@ -12,8 +10,6 @@ from jaxquant._packing import unpack_int4 as unpack_int4
 __version__ = "0.1.0"
 
 __all__ = (
-    "Granularity",
-    "QuantizedDType",
     "dequantize_linear",
     "dynamic_quantize_linear",
     "pack_int4",

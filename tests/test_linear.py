@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _granularity
 
 INTEGER_DTYPES = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
                   jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
@@ -284,8 +285,7 @@ def test_every_layout_matches_expanded_scale(layout, seed):
 
 
 def test_granularity_kinds():
-  resolve = functools.partial(jq.Granularity.__module__ and __import__(
-      "jaxquant._granularity", fromlist=["resolve"]).resolve, "test")
+  resolve = functools.partial(_granularity.resolve, "test")
   assert resolve((4, 6), (), axis=1, block_size=0).kind == "per-tensor"
   assert resolve((4, 6), (1, 1), axis=1, block_size=0).kind == "per-tensor"
   assert resolve((4, 6), (6,), axis=1, block_size=0).kind == "per-axis"
