@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxquant as jq
 
