@@ -4,6 +4,9 @@ onnxruntime's Python binding cannot take or return ml_dtypes arrays (int4,
 int2, float8, float4), so such tensors cross the boundary in a carrier dtype
 that holds them exactly (int8, uint8 or float32) and an ONNX Cast node inside
 the graph converts them. The same graph runs in both oracles.
+
+``result_dtype`` is the dtype the runners return; the node's own attributes,
+ONNX's ``output_dtype`` among them, pass through ``**attributes``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _tensor_type(dtype: np.dtype) -> int:
   return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
-def build_model(op: str, inputs: dict[str, np.ndarray], output_dtype: np.dtype,
+def build_model(op: str, inputs: dict[str, np.ndarray | None], result_dtype: np.dtype, /,
                 domain: str = "", opset: int = OPSET, **attributes) -> onnx.ModelProto:
   """One ``op`` node whose inputs and output pass through carrier Casts where needed."""
   nodes, graph_inputs, node_inputs = [], [], []
@@ -47,12 +50,17 @@ def build_model(op: str, inputs: dict[str, np.ndarray], output_dtype: np.dtype,
     carrier = _carrier(value.dtype)
     graph_inputs.append(helper.make_tensor_value_info(name, _tensor_type(carrier), value.shape))
     if carrier != value.dtype:
-      nodes.append(helper.make_node("Cast", [name], [name + "_cast"], to=_tensor_type(value.dtype)))
+      cast = {"to": _tensor_type(value.dtype)}
+      if value.dtype.name.startswith("float8"):
+        # The carrier holds +-inf exactly; the default saturating Cast would
+        # turn them into +-max before they reach the node.
+        cast["saturate"] = 0
+      nodes.append(helper.make_node("Cast", [name], [name + "_cast"], **cast))
       name += "_cast"
     node_inputs.append(name)
   while node_inputs and node_inputs[-1] == "":
     node_inputs.pop()
-  output_carrier = _carrier(np.dtype(output_dtype))
+  output_carrier = _carrier(np.dtype(result_dtype))
   nodes.append(helper.make_node(op, node_inputs, ["y_raw"], domain=domain, **attributes))
   nodes.append(helper.make_node("Cast", ["y_raw"], ["y"], to=_tensor_type(output_carrier)))
   graph = helper.make_graph(
@@ -72,20 +80,22 @@ def _feeds(inputs):
           for name, value in inputs.items() if value is not None}
 
 
-def run_reference(op, inputs, output_dtype, **attributes) -> np.ndarray:
-  """``op`` in ``onnx.reference``, the output in ``output_dtype``."""
-  model = build_model(op, inputs, output_dtype, **attributes)
+def run_reference(op, inputs, result_dtype, /, **attributes) -> np.ndarray:
+  """``op`` in ``onnx.reference``, the output as ``result_dtype``."""
+  model = build_model(op, inputs, result_dtype, **attributes)
   (y,) = ReferenceEvaluator(model).run(None, _feeds(inputs))
-  return np.asarray(y).astype(output_dtype)
+  return np.asarray(y).astype(result_dtype)
 
 
-def run_onnxruntime(op, inputs, output_dtype, domain="", **attributes) -> np.ndarray:
-  """``op`` in onnxruntime's CPU provider, the output in ``output_dtype``."""
-  model = build_model(op, inputs, output_dtype, domain=domain, **attributes)
+def run_onnxruntime(op, inputs, result_dtype, /, domain="", **attributes) -> np.ndarray:
+  """``op`` in onnxruntime's CPU provider, the output as ``result_dtype``."""
+  model = build_model(op, inputs, result_dtype, domain=domain, **attributes)
   options = onnxruntime.SessionOptions()
   options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  # Sessions here run one tiny node: a thread pool per session costs more than it saves.
+  options.intra_op_num_threads = 1
   session = onnxruntime.InferenceSession(
       model.SerializeToString(), options, providers=["CPUExecutionProvider"]
   )
   (y,) = session.run(None, _feeds(inputs))
-  return np.asarray(y).astype(output_dtype)
+  return np.asarray(y).astype(result_dtype)
