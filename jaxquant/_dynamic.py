@@ -111,17 +111,13 @@ def dynamic_quantize_linear(
   qmin, qmax = accumulate.type(info.min), accumulate.type(info.max)
 
   if symmetric:
-    (magnitude,) = _granularity.reduce_blockwise(
-        _max_magnitude, values, granularity, padding_value=0
-    )
+    (magnitude,) = _granularity.reduce_blockwise(_max_magnitude, values, granularity)
     scale = jnp.where(
         magnitude == 0, accumulate.type(1), _linear.true_divide(magnitude, qmax)
     )
     zero_point = jnp.zeros_like(scale, info.dtype)
   else:
-    low, high = _granularity.reduce_blockwise(
-        _min_max, values, granularity, padding_value=np.nan
-    )
+    low, high = _granularity.reduce_blockwise(_min_max, values, granularity)
     low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
     scale = jnp.where(
         high == low, accumulate.type(1), _linear.true_divide(high - low, qmax - qmin)
@@ -136,7 +132,7 @@ def dynamic_quantize_linear(
       functools.partial(
           _linear.quantize_formula, info=info, precision=accumulate, saturate=True
       ),
-      x, [scale, zero_point], granularity,
+      x, [scale, zero_point], granularity, result_dtype=info.dtype,
   )
   if granularity.kind == "per-tensor":
     shape = ()

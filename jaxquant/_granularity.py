@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Literal
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant import _validate
 
@@ -155,18 +158,67 @@ def resolve(
   return Granularity("block-wise broadcast", param_shape, block_shape)
 
 
+def _ragged_split(x: jax.Array, granularity: Granularity):
+  """Splits a short last block off x, or returns ``None`` if every block is whole.
+
+  Only a blocked layout can be ragged, and it splits one dim.
+
+  Returns:
+    ``(d, (head, head_granularity), (tail, tail_granularity))``.
+  """
+  for d in granularity.split_dims:
+    block = granularity.block_shape[d]
+    blocks = x.shape[d] // block
+    if x.shape[d] % block:
+      def part(start, stop, param_count, length):
+        return lax.slice_in_dim(x, start, stop, axis=d), dataclasses.replace(
+            granularity,
+            param_shape=_replaced(granularity.param_shape, d, param_count),
+            block_shape=_replaced(granularity.block_shape, d, length),
+        )
+      return d, part(0, blocks * block, blocks, block), part(
+          blocks * block, x.shape[d], 1, x.shape[d] - blocks * block)
+  return None
+
+
+def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:
+  return shape[:d] + (value,) + shape[d + 1:]
+
+
+def _slice_params(params, d: int, start: int, stop: int):
+  return [None if p is None else lax.slice_in_dim(p, start, stop, axis=d) for p in params]
+
+
+def _blocked_view(x: jax.Array, granularity: Granularity) -> jax.Array:
+  """x (padded to whole blocks) with each split dim reshaped to ``(blocks, block)``."""
+  blocked_shape = []
+  for d, length in enumerate(x.shape):
+    if d in granularity.split_dims:
+      blocked_shape += [granularity.param_shape[d], granularity.block_shape[d]]
+    else:
+      blocked_shape.append(length)
+  return x.reshape(blocked_shape)
+
+
 def apply_blockwise(
     formula: Callable[..., jax.Array],
     x: jax.Array,
     params: Sequence[jax.Array | None],
     granularity: Granularity,
+    *,
+    result_dtype: np.dtype,
 ) -> jax.Array:
   """Evaluates ``formula(x_block, *params_block)`` over every block of x.
 
-  Each split dimension ``d`` (see :attr:`Granularity.split_dims`) is padded to
-  a whole number of blocks, reshaped to ``(blocks, block)``, and mapped over
-  with ``jax.vmap``; inside, a block sees its own parameters as size-1 dims
-  and ``formula`` broadcasts them. The padding is sliced off the result.
+  Each split dimension ``d`` (see :attr:`Granularity.split_dims`) is reshaped
+  to ``(blocks, block)`` and mapped over with ``jax.vmap``; inside, a block
+  sees its own parameters as size-1 dims and ``formula`` broadcasts them.
+
+  A short last block costs a copy of x or of the result: padding x to whole
+  blocks copies x, evaluating the short block apart and concatenating copies
+  the result. The narrower of the two is copied (measured on a ragged
+  2048x4100 blocked quantize, float32 -> int8: 11.6 ms padded, 1.7 ms split;
+  dequantize int8 -> float32: 8.4 ms padded, 16 ms split).
 
   Args:
     formula: an element-wise function of x and broadcastable parameters.
@@ -174,6 +226,7 @@ def apply_blockwise(
     params: arrays of any shape with ``prod(granularity.param_shape)`` elements,
       or ``None`` (passed through to ``formula`` as ``None``).
     granularity: from :func:`resolve`.
+    result_dtype: the dtype ``formula`` returns.
 
   Returns:
     ``formula``'s result, shaped like x.
@@ -182,12 +235,24 @@ def apply_blockwise(
   for d, length in enumerate(x.shape):
     if length == 0:
       # An empty dim of x is a multiple of any scale dim; its blocks are empty.
-      params = [None if p is None else p[(slice(None),) * d + (slice(0, 0),)] for p in params]
+      params = _slice_params(params, d, 0, 0)
+  ragged = _ragged_split(x, granularity)
+  if ragged is not None and np.dtype(result_dtype).itemsize < x.dtype.itemsize:
+    d, (head, head_granularity), (tail, tail_granularity) = ragged
+    blocks = head_granularity.param_shape[d]
+    evaluate = functools.partial(apply_blockwise, formula, result_dtype=result_dtype)
+    return jnp.concatenate([
+        evaluate(head, _slice_params(params, d, 0, blocks), head_granularity),
+        evaluate(tail, _slice_params(params, d, blocks, blocks + 1), tail_granularity),
+    ], axis=d)
+  x_shape = x.shape
+  if ragged is not None:
+    d = ragged[0]
+    padded = granularity.param_shape[d] * granularity.block_shape[d]
+    x = jnp.pad(x, [(0, padded - n if i == d else 0) for i, n in enumerate(x.shape)])
   split = granularity.split_dims
   if not split:
     return formula(x, *params)
-  unpadded_shape = x.shape
-  x, padded_shape = _blocked_view(x, granularity, padding_value=0)
 
   def per_block(x_block, *block_params):
     return formula(x_block, *(
@@ -204,24 +269,8 @@ def apply_blockwise(
         in_axes=(split[i], *(None if p is None else split[i] - i for p in params)),
         out_axes=split[i],
     )
-  y = mapped(x, *params).reshape(padded_shape)
-  return y[tuple(slice(0, n) for n in unpadded_shape)]
-
-
-def _blocked_view(x: jax.Array, granularity: Granularity, *, padding_value) -> tuple[jax.Array, list[int]]:
-  """x padded to whole blocks along each split dim, each split into ``(blocks, block)``."""
-  padded_shape, blocked_shape = list(x.shape), []
-  for d, length in enumerate(x.shape):
-    if d in granularity.split_dims:
-      blocks, block = granularity.param_shape[d], granularity.block_shape[d]
-      padded_shape[d] = blocks * block
-      blocked_shape += [blocks, block]
-    else:
-      blocked_shape.append(length)
-  padding = [(0, p - n) for p, n in zip(padded_shape, x.shape)]
-  if any(high for _, high in padding):
-    x = jnp.pad(x, padding, constant_values=padding_value)
-  return x.reshape(blocked_shape), padded_shape
+  y = mapped(_blocked_view(x, granularity), *params).reshape(x.shape)
+  return y[tuple(slice(0, n) for n in x_shape)]
 
 
 def for_reduction(
@@ -258,8 +307,6 @@ def reduce_blockwise(
     reduction: Callable[[jax.Array, tuple[int, ...]], tuple[jax.Array, ...]],
     x: jax.Array,
     granularity: Granularity,
-    *,
-    padding_value,
 ) -> tuple[jax.Array, ...]:
   """Reduces x over each block, giving arrays of ``granularity.param_shape``.
 
@@ -268,12 +315,19 @@ def reduce_blockwise(
       (no kept dims) and returns a tuple of arrays.
     x: the input.
     granularity: the parameters' layout (from :func:`for_reduction` or :func:`resolve`).
-    padding_value: fills short last blocks; it must not change the reduction.
 
   Returns:
     The reduction's outputs, each of ``granularity.param_shape``.
   """
-  view, _ = _blocked_view(x, granularity, padding_value=padding_value)
+  ragged = _ragged_split(x, granularity)
+  if ragged is not None:
+    d, (head, head_granularity), (tail, tail_granularity) = ragged
+    return tuple(
+        jnp.concatenate(parts, axis=d) for parts in zip(
+            reduce_blockwise(reduction, head, head_granularity),
+            reduce_blockwise(reduction, tail, tail_granularity),
+        )
+    )
   axes, position = [], 0
   for d in range(x.ndim):
     if d in granularity.split_dims:
@@ -283,4 +337,7 @@ def reduce_blockwise(
       if granularity.param_shape[d] == 1:
         axes.append(position)
       position += 1
-  return tuple(r.reshape(granularity.param_shape) for r in reduction(view, tuple(axes)))
+  return tuple(
+      r.reshape(granularity.param_shape)
+      for r in reduction(_blocked_view(x, granularity), tuple(axes))
+  )

@@ -138,7 +138,9 @@ def dequantize_linear(
   )
   _dispatch.select(function, implementation)
   formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
-  return _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)
+  return _granularity.apply_blockwise(
+      formula, x, [scale, zero_point], granularity, result_dtype=output_dtype
+  )
 
 
 def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
@@ -260,4 +262,6 @@ def quantize_linear(
   formula = functools.partial(
       quantize_formula, info=info, precision=precision, saturate=saturate
   )
-  return _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)
+  return _granularity.apply_blockwise(
+      formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
+  )

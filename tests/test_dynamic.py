@@ -508,19 +508,24 @@ def _reduces(hlo):
   return [(result, computations[reducer]) for result, reducer in found]
 
 
-def _assert_one_variadic_min_max(fn, x):
+def _assert_one_variadic_min_max(fn, x, *, parts=1):
+  """Each of ``parts`` disjoint pieces of x is reduced once, min and max together."""
   reduces = _reduces(jax.jit(fn).lower(x).compile().as_text())
-  assert len(reduces) == 1, [r for r, _ in reduces]
-  (result, reducer), = reduces
-  assert result.startswith("(") and result.count("f32[") == 2, result
-  assert " minimum(" in reducer and " maximum(" in reducer, reducer
+  assert len(reduces) == parts, [r for r, _ in reduces]
+  for result, reducer in reduces:
+    assert result.startswith("(") and result.count("f32[") == 2, result
+    assert " minimum(" in reducer and " maximum(" in reducer, reducer
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(axis=0), dict(axis=1), dict(axis=1, block_size=5)],
-                         ids=str)
-def test_min_and_max_come_from_one_reduction(kwargs):
+@pytest.mark.parametrize("kwargs, parts", [
+    ({}, 1), (dict(axis=0), 1), (dict(axis=1), 1), (dict(axis=1, block_size=6), 1),
+    # 48 = 9 whole blocks of 5 and a short one of 3, reduced apart: still one read of x.
+    (dict(axis=1, block_size=5), 2),
+], ids=str)
+def test_min_and_max_come_from_one_reduction(kwargs, parts):
   x = jnp.zeros((64, 48), jnp.float32)
-  _assert_one_variadic_min_max(lambda x: jq.dynamic_quantize_linear(x, **kwargs), x)
+  _assert_one_variadic_min_max(
+      lambda x: jq.dynamic_quantize_linear(x, **kwargs), x, parts=parts)
 
 
 def test_one_reduction_check_rejects_separate_min_and_max(monkeypatch):
