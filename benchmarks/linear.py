@@ -1,0 +1,119 @@
+"""Throughput of quantize_linear / dequantize_linear against peers, in one run.
+
+    python benchmarks/linear.py [--sizes 1048576 16777216] [--repeats 7]
+
+Peers, each on the same data and layout:
+  * ``jnp``: the hand-rolled expression a user would write (``x / scale``,
+    repeat for blocks), jitted; it is not bit-exact (SPEC §7), only a speed bar.
+  * ``numpy``: the same expression in NumPy.
+  * ``onnxruntime``: its CPU QuantizeLinear / DequantizeLinear (opset 21).
+Reported: best-of-N milliseconds and jaxquant's speed-up over each peer
+(> 1 means jaxquant is faster). Machines here are shared: compare ratios
+within a run, never absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from onnx import TensorProto, helper
+import onnxruntime
+
+import jaxquant as jq
+
+
+def _best_ms(function, repeats):
+  jax.block_until_ready(function())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(function())
+    best = min(best, time.perf_counter() - start)
+  return best * 1e3
+
+
+def _onnxruntime(op, x, scale, zero_point, axis, block_size):
+  def info(name, value):
+    return helper.make_tensor_value_info(
+        name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+  out_type = TensorProto.INT8 if op == "QuantizeLinear" else TensorProto.FLOAT
+  node = helper.make_node(op, ["x", "s", "z"], ["y"], axis=axis, block_size=block_size)
+  graph = helper.make_graph([node], op, [info("x", x), info("s", scale), info("z", zero_point)],
+                            [helper.make_tensor_value_info("y", out_type, None)])
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+  model.ir_version = 10
+  session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+  feeds = {"x": x, "s": scale, "z": zero_point}
+  return lambda: session.run(None, feeds)
+
+
+def _layouts(rows, columns, rng):
+  yield ("per-tensor", np.asarray(0.02, np.float32), np.asarray(0, np.int8),
+         dict(axis=1, block_size=0), None)
+  yield ("per-axis", rng.uniform(0.01, 0.03, columns).astype(np.float32),
+         np.zeros(columns, np.int8), dict(axis=1, block_size=0), (1, columns))
+  groups = columns // 32
+  yield ("blocked-32", rng.uniform(0.01, 0.03, (rows, groups)).astype(np.float32),
+         np.zeros((rows, groups), np.int8), dict(axis=1, block_size=32), "blocked")
+
+
+def _expand(scale, kind):
+  """The scale as the peers broadcast it: scalar, a (1, columns) row, or repeated blocks."""
+  if kind is None:
+    return scale
+  if kind == "blocked":
+    return np.repeat(scale, 32, axis=1)
+  return scale.reshape(kind)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
+  parser.add_argument("--repeats", type=int, default=7)
+  args = parser.parse_args()
+  rng = np.random.default_rng(0)
+  print(f"jax {jax.__version__} ({jax.default_backend()}), onnxruntime {onnxruntime.__version__}")
+  print(f"{'op':10} {'elements':>9} {'layout':11} {'jaxquant ms':>11} "
+        f"{'vs jnp':>7} {'vs numpy':>8} {'vs onnxruntime':>14}")
+  for size in args.sizes:
+    columns = 1024
+    rows = size // columns
+    x = rng.standard_normal((rows, columns)).astype(np.float32)
+    for layout, scale, zero_point, kwargs, kind in _layouts(rows, columns, rng):
+      full_scale = _expand(scale, kind)
+      q = np.asarray(jq.quantize_linear(x, scale, zero_point, **kwargs))
+      # JAX users hold device arrays; a NumPy argument would add a copy per call.
+      x_j, q_j, zero_point_j = jnp.asarray(x), jnp.asarray(q), jnp.asarray(zero_point)
+      scale_j, full_j = jnp.asarray(scale), jnp.asarray(full_scale)
+
+      quantize_jnp = jax.jit(lambda x, s: jnp.clip(jnp.round(
+          x / (jnp.repeat(s, 32, axis=1) if kind == "blocked" else s)), -128, 127).astype(jnp.int8))
+      dequantize_jnp = jax.jit(lambda q, s: q.astype(jnp.float32) * (
+          jnp.repeat(s, 32, axis=1) if kind == "blocked" else s))
+      scale_for_jnp = scale_j if kind in (None, "blocked") else full_j
+      cases = {
+          "quantize": (
+              lambda: jq.quantize_linear(x_j, scale_j, zero_point_j, **kwargs),
+              lambda: quantize_jnp(x_j, scale_for_jnp),
+              lambda: np.clip(np.rint(x / full_scale), -128, 127).astype(np.int8),
+              _onnxruntime("QuantizeLinear", x, scale, zero_point, **kwargs)),
+          "dequantize": (
+              lambda: jq.dequantize_linear(q_j, scale_j, zero_point_j, **kwargs),
+              lambda: dequantize_jnp(q_j, scale_for_jnp),
+              lambda: q.astype(np.float32) * full_scale,
+              _onnxruntime("DequantizeLinear", q, scale, zero_point, **kwargs)),
+      }
+      for op, (ours, *peers) in cases.items():
+        ours_ms = _best_ms(ours, args.repeats)
+        ratios = [_best_ms(peer, args.repeats) / ours_ms for peer in peers]
+        print(f"{op:10} {size:9d} {layout:11} {ours_ms:11.2f} "
+              f"{ratios[0]:7.2f} {ratios[1]:8.2f} {ratios[2]:14.2f}")
+
+
+if __name__ == "__main__":
+  main()
