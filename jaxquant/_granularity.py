@@ -52,6 +52,21 @@ class Granularity:
     )
 
 
+def _per_axis(x_shape: tuple[int, ...], axis: int) -> Granularity:
+  """One parameter per index of ``axis``."""
+  rank = len(x_shape)
+  param_shape = tuple(x_shape[axis] if d == axis else 1 for d in range(rank))
+  block_shape = tuple(1 if d == axis else x_shape[d] for d in range(rank))
+  return Granularity("per-axis", param_shape, block_shape, axis)
+
+
+def _blocked(x_shape: tuple[int, ...], axis: int, block_size: int) -> Granularity:
+  """One parameter per ``block_size`` elements along ``axis`` (the last block may be short)."""
+  param_shape = tuple(-(-n // block_size) if d == axis else n for d, n in enumerate(x_shape))
+  block_shape = tuple(block_size if d == axis else 1 for d in range(len(x_shape)))
+  return Granularity("blocked", param_shape, block_shape, axis)
+
+
 def _block_size_range(length: int, blocks: int) -> str:
   low = -(-length // blocks)
   high = "inf" if blocks == 1 else str(-(-length // (blocks - 1)) - 1)
@@ -107,9 +122,7 @@ def resolve(
         f"({x_shape[axis]},) for per-axis quantization along axis {axis} of x.shape "
         f"{x_shape}", scale_shape,
     )
-    param_shape = tuple(x_shape[axis] if d == axis else 1 for d in range(rank))
-    block_shape = tuple(1 if d == axis else x_shape[d] for d in range(rank))
-    return Granularity("per-axis", param_shape, block_shape, axis)
+    return _per_axis(x_shape, axis)
 
   if block_size > 0:
     _validate.check(
@@ -118,27 +131,26 @@ def resolve(
         scale_shape,
     )
     axis = _validate.normalize_axis(function, axis, rank)
-    expected = tuple(-(-x_shape[d] // block_size) if d == axis else x_shape[d]
-                     for d in range(rank))
+    blocked = _blocked(x_shape, axis, block_size)
+    expected = blocked.param_shape
     _validate.check(
         all(s == e for d, (s, e) in enumerate(zip(scale_shape, expected)) if d != axis),
         function, "scale.shape", f"equal to x.shape {x_shape} except along axis {axis}",
         scale_shape,
     )
-    if scale_shape[axis] != expected[axis] and (x_shape[axis] == 0 or scale_shape[axis] == 0):
-      # No block_size fits: an empty axis has no blocks, a non-empty one has some.
-      _validate.fail(
-          function, "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
-          f"{block_size} along axis {axis}", scale_shape,
-      )
     if scale_shape[axis] != expected[axis]:
+      if x_shape[axis] == 0 or scale_shape[axis] == 0:
+        # No block_size fits: an empty axis has no blocks, a non-empty one has some.
+        _validate.fail(
+            function, "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
+            f"{block_size} along axis {axis}", scale_shape,
+        )
       _validate.fail(
           function, "block_size",
           f"{_block_size_range(x_shape[axis], scale_shape[axis])} for x.shape[{axis}]="
           f"{x_shape[axis]} and scale.shape[{axis}]={scale_shape[axis]}", block_size,
       )
-    block_shape = tuple(block_size if d == axis else 1 for d in range(rank))
-    return Granularity("blocked", scale_shape, block_shape, axis)
+    return blocked
 
   _validate.check(
       len(scale_shape) == rank or 2 <= len(scale_shape) < rank, function, "scale.shape",
@@ -295,12 +307,8 @@ def for_reduction(
     return Granularity("per-tensor", (1,) * rank, x_shape)
   axis = _validate.normalize_axis(function, axis, rank)
   if block_size == 0:
-    param_shape = tuple(x_shape[axis] if d == axis else 1 for d in range(rank))
-    block_shape = tuple(1 if d == axis else x_shape[d] for d in range(rank))
-    return Granularity("per-axis", param_shape, block_shape, axis)
-  param_shape = tuple(-(-n // block_size) if d == axis else n for d, n in enumerate(x_shape))
-  block_shape = tuple(block_size if d == axis else 1 for d in range(rank))
-  return Granularity("blocked", param_shape, block_shape, axis)
+    return _per_axis(x_shape, axis)
+  return _blocked(x_shape, axis, block_size)
 
 
 def reduce_blockwise(
