@@ -15,22 +15,58 @@ from jaxquant import _dtypes
 from jaxquant import _granularity
 from jaxquant import _linear
 from jaxquant import _validate
+import pallas_kernels
 
 
-def _min_max(view: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-  """min and max ignoring NaNs, in one variadic reduction: one pass over x."""
+def _min_max(
+    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
+) -> tuple[jax.Array, jax.Array]:
+  """min and max ignoring NaNs, in float32 (float64 under x64).
+
+  XLA gets one variadic reduction, one pass over x. A kernel block (keepdims)
+  is already on chip, so two plain reductions there, which Mosaic and Triton lower.
+  """
+  view = view.astype(_dtypes.compute_dtype(view.dtype))
   nan = jnp.isnan(view)
+  low, high = jnp.where(nan, jnp.inf, view), jnp.where(nan, -jnp.inf, view)
+  if keepdims:
+    return jnp.min(low, axes, keepdims=True), jnp.max(high, axes, keepdims=True)
   return lax.reduce(
-      (jnp.where(nan, jnp.inf, view), jnp.where(nan, -jnp.inf, view)),
-      (np.float32(np.inf), np.float32(-np.inf)),
+      (low, high), (view.dtype.type(np.inf), view.dtype.type(-np.inf)),
       lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])),
       axes,
   )
 
 
-def _max_magnitude(view: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array]:
-  magnitude = jnp.abs(view)
-  return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes),)
+def _max_magnitude(
+    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
+) -> tuple[jax.Array]:
+  magnitude = jnp.abs(view.astype(_dtypes.compute_dtype(view.dtype)))
+  return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes,
+                  keepdims=keepdims),)
+
+
+def _asymmetric_parameters(low, high, *, info):
+  """SPEC §3's scale and zero point from the range [min(0, lo), max(0, hi)]."""
+  qmin, qmax = low.dtype.type(info.min), low.dtype.type(info.max)
+  low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
+  scale = jnp.where(
+      high == low, low.dtype.type(1), _linear.true_divide(high - low, qmax - qmin)
+  )
+  # A NaN here (lo = -inf gives -inf / inf) clips to qmax, as std::min/std::max
+  # do in onnxruntime and min/max in the ONNX reference.
+  shifted = qmin - _linear.true_divide(low, scale)
+  zero_point = jnp.round(jnp.where(jnp.isnan(shifted), qmax, jnp.clip(shifted, qmin, qmax)))
+  return scale, zero_point.astype(info.dtype)
+
+
+def _symmetric_parameters(magnitude, *, info):
+  """Zero point 0, ``scale = max|x| / qmax`` (1 where x is all zeros)."""
+  qmax = magnitude.dtype.type(info.max)
+  scale = jnp.where(
+      magnitude == 0, magnitude.dtype.type(1), _linear.true_divide(magnitude, qmax)
+  )
+  return scale, jnp.zeros_like(scale, info.dtype)
 
 
 @functools.partial(
@@ -105,35 +141,30 @@ def dynamic_quantize_linear(
   granularity = _granularity.for_reduction(
       function, x.shape, axis=axis, block_size=block_size
   )
-  _dispatch.select(function, implementation)
   accumulate = _dtypes.compute_dtype(x.dtype)
-  values = x.astype(accumulate)
-  qmin, qmax = accumulate.type(info.min), accumulate.type(info.max)
-
-  if symmetric:
-    (magnitude,) = _granularity.reduce_blockwise(_max_magnitude, values, granularity)
-    scale = jnp.where(
-        magnitude == 0, accumulate.type(1), _linear.true_divide(magnitude, qmax)
-    )
-    zero_point = jnp.zeros_like(scale, info.dtype)
-  else:
-    low, high = _granularity.reduce_blockwise(_min_max, values, granularity)
-    low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
-    scale = jnp.where(
-        high == low, accumulate.type(1), _linear.true_divide(high - low, qmax - qmin)
-    )
-    # A NaN here (lo = -inf gives -inf / inf) clips to qmax, as std::min/std::max
-    # do in onnxruntime and min/max in the ONNX reference.
-    shifted = qmin - _linear.true_divide(low, scale)
-    zero_point = jnp.round(jnp.where(jnp.isnan(shifted), qmax, jnp.clip(shifted, qmin, qmax)))
-    zero_point = zero_point.astype(info.dtype)
-
-  y = _granularity.apply_blockwise(
-      functools.partial(
-          _linear.quantize_formula, info=info, precision=accumulate, saturate=True
-      ),
-      x, [scale, zero_point], granularity, result_dtype=info.dtype,
+  reduction, parameters = (
+      (_max_magnitude, _symmetric_parameters) if symmetric
+      else (_min_max, _asymmetric_parameters)
   )
+  parameters = functools.partial(parameters, info=info)
+  formula = functools.partial(
+      _linear.quantize_formula, info=info, precision=accumulate, saturate=True
+  )
+  if _dispatch.select(function, implementation) == "pallas" and x.size:
+    # NaN pads a short last block: the statistics ignore it.
+    view = _granularity.kernel_view(x, [], granularity, pad_value=np.nan)
+    y, scale, zero_point = pallas_kernels.dynamic_quantize(
+        view.x, view.keep,
+        reduction=functools.partial(reduction, keepdims=True),
+        statistics_dtypes=[accumulate] * (1 if symmetric else 2),
+        parameters=parameters, formula=formula, output_dtype=info.dtype,
+    )
+    y = view.restore(y)
+  else:
+    scale, zero_point = parameters(*_granularity.reduce_blockwise(reduction, x, granularity))
+    y = _granularity.apply_blockwise(
+        formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
+    )
   if granularity.kind == "per-tensor":
     shape = ()
   elif granularity.kind == "per-axis":

@@ -13,6 +13,7 @@ from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _linear
 from jaxquant import _validate
+import pallas_kernels
 
 
 def _per_tensor(function: str, name: str, value: jax.Array) -> jax.Array:
@@ -32,6 +33,19 @@ def _operand(function, name, values, scale, zero_point):
   if zero_point is not None:
     zero_point = _per_tensor(function, f"{name}_zero_point", zero_point)
   return values, info, _per_tensor(function, f"{name}_scale", scale), zero_point
+
+
+def _add_formula(
+    a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point,
+    *, a_info, b_info, out_info,
+):
+  to_float = functools.partial(_linear.dequantize_formula, output_dtype=jnp.float32)
+  total = (to_float(a, a_scale, a_zero_point, info=a_info)
+           + to_float(b, b_scale, b_zero_point, info=b_info))
+  return _linear.quantize_formula(
+      total, out_scale, out_zero_point,
+      info=out_info, precision=np.dtype(np.float32), saturate=True,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("output_dtype", "implementation"))
@@ -110,12 +124,10 @@ def quantized_add(
   )
   if out_zero_point is not None:
     out_zero_point = _per_tensor(function, "out_zero_point", out_zero_point)
-  _dispatch.select(function, implementation)
-
-  to_float = functools.partial(_linear.dequantize_formula, output_dtype=jnp.float32)
-  total = (to_float(a, a_scale, a_zero_point, info=a_info)
-           + to_float(b, b_scale, b_zero_point, info=b_info))
-  return _linear.quantize_formula(
-      jnp.broadcast_to(total, shape), out_scale, out_zero_point,
-      info=out_info, precision=np.dtype(np.float32), saturate=True,
-  )
+  formula = functools.partial(_add_formula, a_info=a_info, b_info=b_info, out_info=out_info)
+  parameters = [a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point]
+  if _dispatch.select(function, implementation) == "pallas":
+    return pallas_kernels.quantized_add(
+        a, b, parameters, formula=formula, output_dtype=out_info.dtype
+    )
+  return jnp.broadcast_to(formula(a, b, *parameters), shape)

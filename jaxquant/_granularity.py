@@ -285,6 +285,104 @@ def apply_blockwise(
   return y[tuple(slice(0, n) for n in x_shape)]
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelView:
+  """Operands laid out for a Pallas kernel: every dim of a parameter is x's or 1.
+
+  Attributes:
+    x: x padded to whole blocks, each split dim reshaped to ``(blocks, block)``
+      (packed 4-bit data: the last dim holds bytes, half the elements).
+    params: the parameters reshaped to broadcast against ``x`` (1 along each
+      block's extent); ``None`` stays ``None``.
+    param_shape: the parameters' shape in the view.
+    shape: the logical shape of x, restored by :meth:`restore`.
+    padded_shape: ``shape`` rounded up to whole blocks.
+  """
+
+  x: jax.Array
+  params: list[jax.Array | None]
+  param_shape: tuple[int, ...]
+  shape: tuple[int, ...]
+  padded_shape: tuple[int, ...]
+
+  @property
+  def keep(self) -> tuple[bool, ...]:
+    """Per dim of the view, whether parameters vary along it (else it is reduced)."""
+    return tuple(p != 1 or n == 1 for p, n in zip(self.param_shape, self.x.shape))
+
+  def restore(self, y: jax.Array) -> jax.Array:
+    """A result on the view (x's elements, unpacked) back in x's shape."""
+    y = y.reshape(self.padded_shape)
+    return y[tuple(slice(0, n) for n in self.shape)]
+
+
+def packable(granularity: Granularity, shape: Sequence[int]) -> bool:
+  """Whether packed 4-bit x can enter a kernel as bytes: no byte straddles a row or block."""
+  last = len(shape) - 1
+  return bool(shape) and shape[-1] % 2 == 0 and (
+      last not in granularity.split_dims or granularity.block_shape[-1] % 2 == 0
+  )
+
+
+def kernel_view(
+    x: jax.Array,
+    params: Sequence[jax.Array | None],
+    granularity: Granularity,
+    *,
+    shape: Sequence[int] | None = None,
+    pad_value: float = 0,
+) -> KernelView:
+  """Lays x and its parameters out for a kernel (SPEC §2's blocks as broadcasts).
+
+  A blocked or block-wise layout becomes a plain broadcast once each split
+  dim is viewed as ``(blocks, block)``: the parameters then have size 1 along
+  every block extent, which a kernel's index map reads without expanding them.
+  A short last block is padded with ``pad_value``.
+
+  Args:
+    x: the input, of ``shape``; or packed 4-bit bytes (see :func:`packable`)
+      holding ``shape`` elements, two per byte along the last dim.
+    params: arrays with ``prod(granularity.param_shape)`` elements, or ``None``.
+    granularity: from :func:`resolve` or :func:`for_reduction`.
+    shape: the logical shape of x; default ``x.shape``.
+    pad_value: what the padding of a short last block holds.
+
+  Returns:
+    The :class:`KernelView`.
+  """
+  shape = tuple(x.shape if shape is None else shape)
+  packed = tuple(x.shape) != shape
+  if packed:
+    x = x.reshape(shape[:-1] + (shape[-1] // 2,))
+  split = granularity.split_dims
+  padded = tuple(
+      granularity.param_shape[d] * granularity.block_shape[d] if d in split else n
+      for d, n in enumerate(shape)
+  )
+  last = len(shape) - 1
+  if padded != shape:
+    x = jnp.pad(x, [
+        (0, (p - n) // (2 if packed and d == last else 1))
+        for d, (p, n) in enumerate(zip(padded, shape))
+    ], constant_values=pad_value)
+  x_view, param_view = [], []
+  for d, length in enumerate(padded):
+    if d in split:
+      block = granularity.block_shape[d]
+      x_view += [granularity.param_shape[d], block]
+      param_view += [granularity.param_shape[d], 1]
+    else:
+      x_view.append(length)
+      param_view.append(granularity.param_shape[d])
+  if packed:
+    x_view[-1] //= 2
+  return KernelView(
+      x.reshape(x_view),
+      [None if p is None else jnp.reshape(p, param_view) for p in params],
+      tuple(param_view), shape, padded,
+  )
+
+
 def for_reduction(
     function: str, x_shape: Sequence[int], *, axis: int | None, block_size: int
 ) -> Granularity:

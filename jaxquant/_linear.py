@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax.typing import ArrayLike, DTypeLike
@@ -12,7 +13,9 @@ import numpy as np
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
+from jaxquant import _packing
 from jaxquant import _validate
+import pallas_kernels
 
 
 def zero_point_array(
@@ -68,7 +71,11 @@ def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("axis", "block_size", "output_dtype", "implementation")
+    jax.jit,
+    static_argnames=(
+        "axis", "block_size", "output_dtype", "implementation", "packed_shape",
+        "packed_dtype",
+    ),
 )
 def dequantize_linear(
     x: ArrayLike,
@@ -79,6 +86,8 @@ def dequantize_linear(
     block_size: int = 0,
     output_dtype: DTypeLike | None = None,
     implementation: str | None = None,
+    packed_shape: tuple[int, ...] | None = None,
+    packed_dtype: DTypeLike = jnp.int4,
 ) -> jax.Array:
   r"""Dequantizes ``x``: ONNX DequantizeLinear.
 
@@ -92,12 +101,17 @@ def dequantize_linear(
   (SPEC §2): per-tensor, per-axis along ``axis``, blocked along ``axis`` with
   ``block_size`` (a short last block is allowed), or block-wise broadcast.
 
+  4-bit data may stay packed two per byte (:func:`pack_int4`, ONNX's raw
+  layout): pass the bytes as ``x`` with ``packed_shape``; the Pallas kernel
+  then reads the bytes directly, XLA unpacks them in the same fusion.
+
   Gradients flow to ``scale`` (``dy/dscale = x - zero_point``, summed per scale
   element); ``x`` and ``zero_point`` are integers and carry none.
 
   Args:
     x: quantized values: int2, uint2, int4, uint4, int8, uint8, int16, uint16,
-      int32, uint32, the four float8 types or float4_e2m1fn.
+      int32, uint32, the four float8 types or float4_e2m1fn; with
+      ``packed_shape``, the uint8 bytes from :func:`pack_int4`.
     scale: float32, float16, bfloat16 or float8_e8m0fnu scale.
     zero_point: same dtype and shape as ``scale`` elements; ``None`` means 0.
       A Python number takes x's dtype.
@@ -106,9 +120,12 @@ def dequantize_linear(
     output_dtype: float32, float16 or bfloat16; default the scale's dtype
       (float32 for a float8_e8m0fnu scale).
     implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+    packed_shape: the shape of the 4-bit array packed in ``x`` (a tuple), or
+      ``None`` when ``x`` is not packed.
+    packed_dtype: with ``packed_shape``: int4, uint4 or float4_e2m1fn.
 
   Returns:
-    An array shaped like ``x`` of ``output_dtype``.
+    An array shaped like ``x`` (or ``packed_shape``) of ``output_dtype``.
 
   Raises:
     TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point`` or
@@ -124,7 +141,14 @@ def dequantize_linear(
   """
   function = "dequantize_linear"
   x = jnp.asarray(x)
-  info = _dtypes.quantized_dtype(function, "x.dtype", x.dtype)
+  shape = x.shape
+  if packed_shape is not None:
+    shape = _validate.static_shape(function, "packed_shape", packed_shape)
+    x = _packing.packed_bytes(function, x, shape)
+    dtype = _packing.four_bit_dtype(function, "packed_dtype", packed_dtype)
+  else:
+    dtype = x.dtype
+  info = _dtypes.quantized_dtype(function, "x.dtype", dtype)
   scale = _dtypes.scale_array(function, "scale", scale)
   zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
   if output_dtype is None:
@@ -133,11 +157,22 @@ def dequantize_linear(
     )
   output_dtype = _dtypes.float_dtype(function, "output_dtype", output_dtype)
   granularity = _granularity.resolve(
-      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      function, shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  _dispatch.select(function, implementation)
   formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
+  packed = packed_shape is not None
+  if packed and not (
+      _dispatch.select(function, implementation) == "pallas"
+      and _granularity.packable(granularity, shape)
+  ):
+    x, packed = _packing.unpacked(x, shape, info.dtype), False
+  if _dispatch.select(function, implementation) == "pallas" and math.prod(shape):
+    view = _granularity.kernel_view(x, [scale, zero_point], granularity, shape=shape)
+    return view.restore(pallas_kernels.dequantize(
+        view.x, *view.params, formula=formula, output_dtype=output_dtype,
+        packed_dtype=info.dtype if packed else None,
+    ))
   return _granularity.apply_blockwise(
       formula, x, [scale, zero_point], granularity, result_dtype=output_dtype
   )
@@ -258,10 +293,14 @@ def quantize_linear(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  _dispatch.select(function, implementation)
   formula = functools.partial(
       quantize_formula, info=info, precision=precision, saturate=saturate
   )
+  if _dispatch.select(function, implementation) == "pallas" and x.size:
+    view = _granularity.kernel_view(x, [scale, zero_point], granularity)
+    return view.restore(pallas_kernels.quantize(
+        view.x, *view.params, formula=formula, output_dtype=info.dtype
+    ))
   return _granularity.apply_blockwise(
       formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
   )

@@ -18,7 +18,7 @@ from jaxquant import _validate
 _FOUR_BIT_DTYPES = tuple(np.dtype(d) for d in (jnp.int4, jnp.uint4, jnp.float4_e2m1fn))
 
 
-def _four_bit_dtype(function: str, argument: str, dtype: DTypeLike) -> np.dtype:
+def four_bit_dtype(function: str, argument: str, dtype: DTypeLike) -> np.dtype:
   info = _dtypes.quantized_dtype(function, argument, dtype)
   _validate.check(
       info.dtype in _FOUR_BIT_DTYPES, function, argument,
@@ -55,7 +55,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
     Array([241,   7], dtype=uint8)
   """
   x = jnp.asarray(x)
-  _four_bit_dtype("pack_int4", "x.dtype", x.dtype)
+  four_bit_dtype("pack_int4", "x.dtype", x.dtype)
   nibbles = lax.bitcast_convert_type(x.reshape(-1), jnp.uint4).astype(jnp.uint8)
   nibbles = jnp.pad(nibbles, (0, x.size % 2)).reshape(-1, 2)
   return nibbles[:, 0] | (nibbles[:, 1] << 4)
@@ -90,19 +90,19 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     Array([1, -1, 7], dtype=int4)
   """
   function = "unpack_int4"
-  _validate.check(
-      isinstance(shape, Sequence) and all(
-          isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
-          for n in shape
-      ),
-      function, "shape", "a sequence of non-negative ints", repr(shape), error=TypeError,
+  return _unpack(
+      packed, _validate.static_shape(function, "shape", shape),
+      four_bit_dtype(function, "dtype", dtype),
   )
-  return _unpack(packed, tuple(int(n) for n in shape), _four_bit_dtype(function, "dtype", dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _unpack(packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-  function = "unpack_int4"
+def packed_bytes(function: str, packed: ArrayLike, shape: tuple[int, ...]) -> jax.Array:
+  """Checks that ``packed`` is the uint8 bytes of ``shape`` packed by :func:`pack_int4`.
+
+  Raises:
+    TypeError: if ``packed`` is not uint8.
+    ValueError: if ``packed`` is not 1-D with ``ceil(prod(shape) / 2)`` bytes.
+  """
   packed = jnp.asarray(packed)
   _validate.check(
       packed.dtype == jnp.uint8, function, "packed.dtype", "uint8", packed.dtype.name,
@@ -113,5 +113,15 @@ def _unpack(packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype) -> jax.A
       packed.shape == ((size + 1) // 2,), function, "packed.shape",
       f"({(size + 1) // 2},) to unpack into shape {shape}", packed.shape,
   )
-  nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)[:size]
+  return packed
+
+
+def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+  """The 4-bit array of ``shape`` and ``dtype`` stored in ``packed`` (already checked)."""
+  nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)[:math.prod(shape)]
   return lax.bitcast_convert_type(nibbles.astype(jnp.uint4), dtype).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _unpack(packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+  return unpacked(packed_bytes("unpack_int4", packed, shape), shape, dtype)

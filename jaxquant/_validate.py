@@ -6,6 +6,7 @@ and is raised at trace time, before any XLA computation is built.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -70,3 +71,15 @@ def normalize_axis(function: str, axis: object, ndim: int) -> int:
       f"an int in [{-ndim}, {ndim}) for an input of rank {ndim}", axis,
   )
   return axis % ndim
+
+
+def static_shape(function: str, argument: str, value: object) -> tuple[int, ...]:
+  """A shape given as a sequence of non-negative Python ints, as a tuple."""
+  check(
+      isinstance(value, Sequence) and all(
+          isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+          for n in value
+      ),
+      function, argument, "a sequence of non-negative ints", repr(value), error=TypeError,
+  )
+  return tuple(int(n) for n in value)

@@ -1,0 +1,362 @@
+"""The one kernel shape every op here shares: a formula over broadcast operands, tile by tile.
+
+An op hands :func:`elementwise` (or :func:`reduce`) arrays of one rank whose
+dims are each either the full broadcast size or 1. Broadcasting is done by
+the index maps: a size-1 dim gets block 1 and block index 0, so a per-channel
+scale is read once per tile and never expanded in HBM. The wrapper
+
+1. collapses the dims (drops size-1 output dims, merges neighbours that every
+   operand treats alike), so any rank becomes two or three dims;
+2. picks the tile per backend (:mod:`._tiling`) and pads every dim to whole
+   tiles, slicing the result after;
+3. runs one ``pallas_call`` whose body is the formula on the loaded blocks.
+
+The backend is picked per platform by ``lax.platform_dependent`` when the call
+is lowered: Mosaic on TPU, Triton on CUDA/ROCm, interpret mode elsewhere (CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _exact
+from pallas_kernels import _tiling
+
+Backend = _tiling.Target
+
+
+def _dispatch(
+    call: Callable[..., tuple[jax.Array, ...]],
+    arrays: Sequence[jax.Array],
+    *,
+    backend: Backend | None,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:
+  """``call(arrays, backend=..., interpret=..., divide_asm=...)`` for the platform lowered to."""
+  if backend is not None:
+    return call(arrays, backend=backend, interpret=interpret,
+                divide_asm=backend == "triton" and not interpret)
+
+  def on(backend, *, interpret, divide_asm=False):
+    return lambda *arrays: call(
+        arrays, backend=backend, interpret=interpret, divide_asm=divide_asm
+    )
+
+  return lax.platform_dependent(
+      *arrays,
+      tpu=on("tpu", interpret=interpret),
+      cuda=on("triton", interpret=interpret, divide_asm=not interpret),
+      rocm=on("triton", interpret=interpret),
+      default=on("tpu", interpret=True),
+  )
+
+
+def _compiler_params(backend: Backend, grid: tuple[int, ...], tile: tuple[int, ...]):
+  if backend == "tpu":
+    return pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
+  return pltriton.CompilerParams(
+      num_warps=min(8, max(1, math.prod(tile) // 1024)), num_stages=1
+  )
+
+
+def _collapse(
+    shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+  """Drops size-1 dims of ``out_shape`` and merges neighbours with equal broadcast patterns.
+
+  Returns:
+    The collapsed output shape (at least 1-D) and each operand's shape in it.
+  """
+  groups: list[tuple[tuple[bool, ...], int]] = []
+  for d, length in enumerate(out_shape):
+    if length == 1:
+      continue
+    pattern = tuple(shape[d] != 1 for shape in shapes)
+    if groups and groups[-1][0] == pattern:
+      groups[-1] = (pattern, groups[-1][1] * length)
+    else:
+      groups.append((pattern, length))
+  if not groups:
+    groups = [((False,) * len(shapes), 1)]
+  collapsed = tuple(length for _, length in groups)
+  return collapsed, [
+      tuple(length if pattern[i] else 1 for pattern, length in groups)
+      for i in range(len(shapes))
+  ]
+
+
+def _lay_out(
+    arrays: Sequence[jax.Array],
+    logical_shapes: Sequence[tuple[int, ...]],
+    out_shape: tuple[int, ...],
+    *,
+    packed: Sequence[bool],
+    backend: Backend,
+    dtypes: Sequence[np.dtype],
+    max_block: tuple[int, int] | None,
+    pad_value: float,
+) -> tuple[list[jax.Array], list[tuple[int, ...]], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """Collapses, widens to 2-D and pads every operand to whole tiles.
+
+  Returns:
+    ``(arrays, shapes, out_shape, padded_out_shape, tile)``: the laid-out
+    arrays, their logical shapes (packed operands hold half the last dim), the
+    collapsed output shape before and after padding, and the tile.
+  """
+  out_shape, shapes = _collapse(logical_shapes, out_shape)
+  if len(out_shape) == 1:
+    # One dim: fold it into rows of a lane-dense width (padding if need be).
+    width = _tiling.flat_width(out_shape[0], backend, max_block)
+    if any(packed):
+      width += width % 2
+    rows = -(-out_shape[0] // width)
+    shapes = [(rows, width) if shape[0] != 1 else (1, 1) for shape in shapes]
+    flat_padded = rows * width
+    arrays = [
+        jnp.pad(a.reshape(-1), (0, (flat_padded - out_shape[0]) // (2 if p else 1)),
+                constant_values=pad_value) if shape != (1, 1) else a
+        for a, shape, p in zip(arrays, shapes, packed)
+    ]
+    out_shape = (out_shape[0],)
+    padded_rows_shape = (rows, width)
+  else:
+    padded_rows_shape = out_shape
+  tile = _tiling.tile_shape(padded_rows_shape, dtypes, backend, max_block)
+  if any(packed) and tile[-1] % 2:
+    tile = tile[:-1] + (tile[-1] + 1,)
+  if backend == "tpu" and any(packed) and tile[-1] != padded_rows_shape[-1]:
+    # The packed block holds half the lanes: keep it a multiple of 128.
+    tile = tile[:-1] + (-(-tile[-1] // (2 * _tiling.LANES)) * 2 * _tiling.LANES,)
+  padded = _tiling.padded_shape(padded_rows_shape, tile)
+  laid_out = []
+  for array, shape, is_packed in zip(arrays, shapes, packed):
+    storage = shape[:-1] + (shape[-1] // 2,) if is_packed else shape
+    array = array.reshape(storage)
+    target = tuple(p if n != 1 else 1 for p, n in zip(padded, shape))
+    if is_packed:
+      target = target[:-1] + (target[-1] // 2,)
+    if target != storage:
+      array = jnp.pad(
+          array, [(0, t - n) for t, n in zip(target, storage)], constant_values=pad_value
+      )
+    laid_out.append(array)
+  return laid_out, shapes, out_shape, padded, tile
+
+
+def _block_spec(shape: tuple[int, ...], tile: tuple[int, ...], *, packed: bool = False):
+  full = tuple(n != 1 for n in shape)
+  block = tuple(t if f else 1 for t, f in zip(tile, full))
+  if packed:
+    block = block[:-1] + (block[-1] // 2,)
+  return pl.BlockSpec(block, lambda *grid: tuple(g if f else 0 for g, f in zip(grid, full)))
+
+
+def elementwise(
+    formula: Callable[..., Sequence[jax.Array]],
+    operands: Sequence[jax.Array | None],
+    result_dtypes: Sequence[np.dtype],
+    *,
+    packed: Sequence[bool] | None = None,
+    decode: Callable[[jax.Array], jax.Array] | None = None,
+    backend: Backend | None = None,
+    interpret: bool = False,
+    max_block: tuple[int, int] | None = None,
+    name: str = "elementwise",
+) -> tuple[jax.Array, ...]:
+  """``formula(*operands)`` in one fused Pallas kernel.
+
+  Args:
+    formula: maps the operands' blocks (``None`` stays ``None``) to a sequence
+      of arrays of ``result_dtypes``; element-wise, broadcasting size-1 dims.
+    operands: arrays of one rank; each dim is the output's size or 1. A packed
+      operand holds two 4-bit values per byte along its last dim (ONNX order:
+      even elements in the low nibble), so its last dim is half the output's.
+    result_dtypes: the dtypes ``formula`` returns.
+    packed: which operands are packed; default none.
+    decode: maps a block of nibbles (uint8 values 0..15) to the values the
+      formula expects; required with ``packed``.
+    backend: ``"tpu"`` or ``"triton"``; ``None`` picks per platform when lowered.
+    interpret: run in Pallas interpret mode.
+    max_block: caps on the tile's (rows, lanes); default per backend.
+    name: the kernel's name in profiles.
+
+  Returns:
+    The results, each shaped like the broadcast of the (unpacked) operands.
+  """
+  packed = tuple(packed or (False,) * len(operands))
+  present = [i for i, a in enumerate(operands) if a is not None]
+  arrays = [operands[i] for i in present]
+  logical = [
+      a.shape[:-1] + (2 * a.shape[-1],) if packed[i] else a.shape
+      for i, a in zip(present, arrays)
+  ]
+  out_shape = tuple(max(dims) for dims in zip(*logical)) if logical else ()
+  if math.prod(out_shape) == 0:
+    return tuple(jnp.zeros(out_shape, d) for d in result_dtypes)
+
+  def call(arrays, *, backend, interpret, divide_asm):
+    laid_out, shapes, flat_shape, padded, tile = _lay_out(
+        arrays, logical, out_shape, packed=[packed[i] for i in present],
+        backend=backend, dtypes=[*(a.dtype for a in arrays), *result_dtypes],
+        max_block=max_block, pad_value=0,
+    )
+    kernel_formula = formula
+    if backend == "triton":
+      kernel_formula = _exact.exact(formula, divide=divide_asm)
+    grid = tuple(p // t for p, t in zip(padded, tile))
+    is_packed = [packed[i] for i in present]
+
+    def kernel(*refs):
+      in_refs, out_refs = refs[:len(present)], refs[len(present):]
+      if not any(is_packed):
+        args = [None] * len(operands)
+        for i, ref in zip(present, in_refs):
+          args[i] = ref[...]
+        for out_ref, result in zip(out_refs, kernel_formula(*args)):
+          out_ref[...] = result
+        return
+      # Even elements come from the low nibbles, odd ones from the high ones:
+      # evaluate each half apart and store it with a lane stride of 2.
+      half = tile[-1] // 2
+      for parity in (0, 1):
+        lanes = (slice(None),) * (len(tile) - 1) + (pl.ds(parity, half, stride=2),)
+        args = [None] * len(operands)
+        for i, ref, shape, p in zip(present, in_refs, shapes, is_packed):
+          if p:
+            raw = ref[...]
+            args[i] = decode(raw & 0xF if parity == 0 else raw >> 4)
+          elif shape[-1] != 1:
+            args[i] = ref[lanes]
+          else:
+            args[i] = ref[...]
+        for out_ref, result in zip(out_refs, kernel_formula(*args)):
+          out_ref[lanes] = result
+
+    results = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(padded, d) for d in result_dtypes],
+        grid=grid,
+        in_specs=[_block_spec(s, tile, packed=p) for s, p in zip(shapes, is_packed)],
+        out_specs=[_block_spec(padded, tile) for _ in result_dtypes],
+        compiler_params=None if interpret else _compiler_params(backend, grid, tile),
+        interpret=interpret,
+        name=name,
+    )(*laid_out)
+    return tuple(
+        r.reshape(-1)[:flat_shape[0]] if len(flat_shape) == 1
+        else r[tuple(slice(0, n) for n in flat_shape)]
+        for r in results
+    )
+
+  results = _dispatch(call, arrays, backend=backend, interpret=interpret)
+  return tuple(r.reshape(out_shape) for r in results)
+
+
+def reduce(
+    reduction: Callable[[jax.Array, tuple[int, ...]], Sequence[jax.Array]],
+    x: jax.Array,
+    keep: Sequence[bool],
+    result_dtypes: Sequence[np.dtype],
+    *,
+    pad_value: float,
+    backend: Backend | None = None,
+    interpret: bool = False,
+    max_block: tuple[int, int] | None = None,
+    name: str = "reduce",
+) -> tuple[jax.Array, ...]:
+  """Reduces ``x`` over the dims where ``keep`` is False: one kernel pass over x.
+
+  Each tile is reduced in the kernel to a partial result; the partials (one
+  per tile, a small fraction of x) are combined by ``reduction`` again in XLA.
+  Tiles never accumulate into a shared output, so there is no cross-program
+  race on Triton and no ``arbitrary`` grid axis on TPU.
+
+  Args:
+    reduction: ``reduction(block, axes)`` reduces over ``axes`` keeping them as
+      size-1 dims; it must be associative (min, max, sum) and ignore ``pad_value``.
+    x: the array to reduce.
+    keep: per dim of x, whether it is kept (a parameter dim) or reduced.
+    result_dtypes: the dtypes ``reduction`` returns.
+    pad_value: what padding reads as (for min/max: NaN, when NaN is ignored).
+    backend, interpret, max_block, name: as for :func:`elementwise`.
+
+  Returns:
+    The reductions, each shaped like x with the reduced dims set to 1.
+  """
+  result_shape = tuple(n if k else 1 for n, k in zip(x.shape, keep))
+  if x.size == 0:
+    # Nothing but padding: what the reduction makes of one padding element.
+    padding = jnp.full((1,) * x.ndim, pad_value, x.dtype)
+    return tuple(jnp.broadcast_to(r, result_shape)
+                 for r in reduction(padding, tuple(range(x.ndim))))
+
+  def call(arrays, *, backend, interpret, divide_asm):
+    del divide_asm
+    (x,) = arrays
+    # The result's shape marks reduced dims as broadcast, so the collapse
+    # merges kept dims with kept dims and reduced with reduced only.
+    collapsed, (kept_shape, _) = _collapse([result_shape, x.shape], x.shape)
+    kept = [n != 1 for n in kept_shape]
+    if len(collapsed) == 1:
+      width = _tiling.flat_width(collapsed[0], backend, max_block)
+      rows = -(-collapsed[0] // width)
+      view = jnp.pad(x.reshape(-1), (0, rows * width - collapsed[0]), constant_values=pad_value)
+      view, kept, collapsed_rows = view.reshape(rows, width), kept * 2, (rows, width)
+    else:
+      view, collapsed_rows = x.reshape(collapsed), collapsed
+    tile = _tiling.tile_shape(collapsed_rows, [x.dtype, *result_dtypes], backend, max_block)
+    padded = _tiling.padded_shape(collapsed_rows, tile)
+    if padded != collapsed_rows:
+      view = jnp.pad(view, [(0, p - n) for p, n in zip(padded, collapsed_rows)],
+                     constant_values=pad_value)
+    grid = tuple(p // t for p, t in zip(padded, tile))
+    rank = len(tile)
+    axes = tuple(d for d in range(rank) if not kept[d])
+    partial_tile = tuple(t if k else 1 for t, k in zip(tile, kept))
+
+    def kernel(x_ref, *out_refs):
+      for out_ref, result in zip(out_refs, reduction(x_ref[...], axes)):
+        out_ref[...] = result
+
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(grid + partial_tile, d) for d in result_dtypes],
+        grid=grid,
+        in_specs=[pl.BlockSpec(tile, lambda *g: g)],
+        out_specs=[
+            pl.BlockSpec((pl.squeezed,) * rank + partial_tile, lambda *g: g + (0,) * rank)
+            for _ in result_dtypes
+        ],
+        compiler_params=None if interpret else _compiler_params(backend, grid, tile),
+        interpret=interpret,
+        name=name,
+    )(view)
+    # Combine the partials over the grid axes of reduced dims, then put each
+    # kept dim's (tile index, offset in tile) pair back together.
+    # The k-th result is the k-th reduction of the k-th partials (min of the
+    # minima, max of the maxima).
+    grid_axes = tuple(axes)
+    combined = [reduction(part, grid_axes)[k] for k, part in enumerate(partials)]
+    order = [a for d in range(rank) for a in (d, rank + d)]
+    results = []
+    for part in combined:
+      part = part.transpose(order).reshape(
+          tuple(p if k else 1 for p, k in zip(padded, kept))
+      )
+      results.append(part[tuple(slice(0, n) if k else slice(None)
+                                for n, k in zip(collapsed_rows, kept))])
+    return tuple(results)
+
+  results = _dispatch(call, [x], backend=backend, interpret=interpret)
+  return tuple(r.reshape(-1)[:math.prod(result_shape)].reshape(result_shape)
+               for r in results)
+

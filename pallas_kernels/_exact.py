@@ -1,0 +1,114 @@
+"""IEEE-exact division and rounding inside Triton kernels.
+
+Pallas lowers ``x / y`` on float32 to Triton's ``arith.divf``, which Triton
+emits as PTX ``div.full.f32``: an approximation with up to 2 ulp of error,
+enough to move a quotient across a rounding tie. And Pallas has no Triton
+lowering for ``lax.round`` at all. :func:`exact` re-evaluates a formula's jaxpr
+with the two replaced: division by PTX ``div.rn.f32`` (IEEE round to nearest
+even, what XLA emits) and round-half-to-even by ``floor`` and an exact
+comparison of the fraction with 1/2. (The shorter ``(x + 2**23) - 2**23`` is
+folded to ``x`` by XLA's simplifier, which interpret mode runs through.)
+The formula itself is written once, in plain ``jnp``, and means the same on
+every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+
+import jax
+from jax import lax
+from jax.extend import core as jax_core
+from jax.experimental.pallas import triton as pltriton
+import jax.numpy as jnp
+import numpy as np
+
+_TWO_TO_23 = np.float32(2.0**23)
+
+
+def round_half_to_even(x: jax.Array) -> jax.Array:
+  """``jnp.round`` for float32 from ``floor`` (which Triton and Mosaic both lower).
+
+  ``x - floor(x)`` is exact, so ties are seen exactly; the sign is copied back
+  so that -0.3 rounds to -0.0. Beyond 2**23 every float32 is an integer.
+  """
+  floor = jnp.floor(x)
+  fraction = x - floor
+  odd = floor - 2 * jnp.floor(floor * 0.5)
+  rounded = floor + jnp.where(fraction > 0.5, 1.0, jnp.where(fraction < 0.5, 0.0, odd))
+  return jnp.where(jnp.abs(x) < _TWO_TO_23, jnp.copysign(rounded, x), x)
+
+
+def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
+  x, y = jnp.broadcast_arrays(x, y)
+  (quotient,) = pltriton.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;",
+      args=[x, y],
+      constraints="=r,r,r",
+      pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+  )
+  return quotient
+
+
+def _replacement(equation, *, divide: bool):
+  """The function replacing ``equation``'s primitive, or ``None`` to keep it."""
+  float32 = all(v.aval.dtype == np.float32 for v in equation.invars)
+  if equation.primitive is lax.round_p and float32 and (
+      equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
+  ):
+    return round_half_to_even
+  if divide and equation.primitive is lax.div_p and float32:
+    return _divide_rn
+  return None
+
+
+def _evaluate(jaxpr, consts, *args, divide: bool):
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var] = value
+  for var, value in zip(jaxpr.invars, args):
+    env[var] = value
+  for equation in jaxpr.eqns:
+    inputs = [read(v) for v in equation.invars]
+    replacement = _replacement(equation, divide=divide)
+    inner = equation.params.get("jaxpr")
+    if replacement is not None:
+      outputs = [replacement(*inputs)]
+    elif isinstance(inner, jax_core.ClosedJaxpr):
+      # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...).
+      outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide)
+    else:
+      outputs = equation.primitive.bind(*inputs, **equation.params)
+      if not equation.primitive.multiple_results:
+        outputs = [outputs]
+    for var, value in zip(equation.outvars, outputs):
+      env[var] = value
+  return [read(v) for v in jaxpr.outvars]
+
+
+def exact(formula: Callable[..., object], *, divide: bool = True) -> Callable[..., object]:
+  """``formula`` with float32 division and round-half-to-even made exact for Triton.
+
+  Args:
+    formula: a function of arrays built from ``jnp``/``lax`` operations.
+    divide: replace float32 division by PTX ``div.rn.f32`` (CUDA only; off
+      in interpret mode and on ROCm, whose ``fdiv`` lowering is already IEEE).
+
+  Returns:
+    A function with ``formula``'s signature and results.
+  """
+
+  @functools.wraps(formula)
+  def wrapped(*args):
+    closed, out_tree = jax.make_jaxpr(formula, return_shape=True)(*args)
+    flat_args = jax.tree.leaves(args)
+    outputs = _evaluate(closed.jaxpr, closed.consts, *flat_args, divide=divide)
+    return jax.tree.unflatten(jax.tree.structure(out_tree), outputs)
+
+  return wrapped

@@ -1,0 +1,508 @@
+"""Pallas kernels: bit-identical to XLA (interpret mode here), and lowering for TPU and CUDA.
+
+CPU runs the kernels in interpret mode, which executes the same kernel body,
+block specs, padding and index maps as the compiled kernels; the Triton tiling
+(and its exact-rounding rewrite) is run in interpret mode too. What only
+hardware can show (Mosaic's and Triton's own code generation) is checked as
+far as a CPU can: every kernel lowers for both platforms.
+"""
+
+import functools
+import math
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import _dispatch
+from jaxquant import _dtypes
+from jaxquant import _dynamic
+from jaxquant import _elementwise
+from jaxquant import _linear
+import pallas_kernels
+from pallas_kernels import _exact
+from pallas_kernels import _tiling
+from pallas_kernels.dequantize import decode_nibbles
+from test_linear import assert_bits_equal
+
+QUANTIZED_DTYPES = [
+    jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16,
+    jnp.uint16, jnp.int32, jnp.uint32, jnp.float8_e4m3fn, jnp.float8_e4m3fnuz,
+    jnp.float8_e5m2, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn,
+]
+FOUR_BIT_DTYPES = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
+FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+INTEGER_DTYPES = [jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16]
+
+# The kernels compile once per shape; a handful of examples per test covers
+# the layouts without turning the suite into a compile benchmark.
+few = hypothesis.settings(max_examples=20)
+
+
+@st.composite
+def layouts(draw, *, min_rank=0):
+  """(shape, scale shape, axis/block_size kwargs) over SPEC §2's rows, ragged blocks included."""
+  rank = draw(st.integers(min_rank, 4))
+  shape = tuple(draw(st.lists(st.integers(1, 37), min_size=rank, max_size=rank)))
+  kinds = ["per-tensor"] + (["per-axis", "blocked", "broadcast"] if rank else [])
+  kind = draw(st.sampled_from(kinds))
+  if kind == "per-tensor":
+    return shape, (), {}
+  axis = draw(st.integers(0, rank - 1))
+  if kind == "per-axis" and rank >= 2:
+    return shape, (shape[axis],), {"axis": axis}
+  if kind == "blocked":
+    block = draw(st.integers(1, shape[axis]))
+    blocks = -(-shape[axis] // block)
+    block = -(-shape[axis] // blocks)  # the smallest block giving that count: in ONNX's range
+    scale_shape = tuple(blocks if d == axis else n for d, n in enumerate(shape))
+    return shape, scale_shape, {"axis": axis, "block_size": block}
+  scale_shape = tuple(
+      draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0])) for n in shape
+  )
+  return shape, scale_shape, {}
+
+
+def _quantized_values(rng, shape, dtype):
+  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  if info.is_integer:
+    return jnp.asarray(rng.integers(info.min, info.max, shape, endpoint=True), dtype)
+  values = rng.normal(0, info.max / 8, shape).astype(np.float32)
+  values.reshape(-1)[::7] = np.nan
+  return jnp.asarray(values).astype(dtype)
+
+
+def _float_values(rng, shape, dtype, scale):
+  """Values on rounding ties (k + 1/2) * scale, their neighbours, NaN, inf and far outliers."""
+  scale = np.broadcast_to(np.asarray(scale, np.float32), shape)
+  steps = rng.integers(-300, 300, shape) + rng.choice([0.0, 0.5, 0.49999997, 0.5000001], shape)
+  values = (steps * scale).astype(np.float32)
+  flat = values.reshape(-1)
+  flat[::11] = np.nan
+  flat[3::13] = np.inf
+  flat[5::17] = -np.inf
+  flat[7::19] = 1e30
+  return jnp.asarray(values).astype(dtype)
+
+
+def _scale(rng, shape, dtype=jnp.float32):
+  return jnp.asarray(rng.uniform(0.01, 2.0, shape).astype(np.float32)).astype(dtype)
+
+
+def _zero_point(rng, shape, dtype):
+  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  if info.is_integer:
+    low, high = max(info.min, -100), min(info.max, 100)
+    return jnp.asarray(rng.integers(low, high, shape, endpoint=True), dtype)
+  return jnp.asarray(rng.choice([0.0, 1.0, -2.0], shape).astype(np.float32)).astype(dtype)
+
+
+# --- the public ops: implementation="pallas" == "xla", bit for bit ------------------
+
+
+@few
+@hypothesis.given(
+    layout=layouts(), dtype=st.sampled_from(QUANTIZED_DTYPES),
+    output_dtype=st.sampled_from(FLOAT_DTYPES), with_zero_point=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dequantize_matches_xla(layout, dtype, output_dtype, with_zero_point, seed):
+  rng = np.random.default_rng(seed)
+  shape, scale_shape, kwargs = layout
+  x = _quantized_values(rng, shape, dtype)
+  scale = _scale(rng, scale_shape)
+  zero_point = _zero_point(rng, scale_shape, dtype) if with_zero_point else None
+  run = functools.partial(jq.dequantize_linear, x, scale, zero_point,
+                          output_dtype=output_dtype, **kwargs)
+  assert_bits_equal(run(implementation="pallas"), run(implementation="xla"))
+
+
+@few
+@hypothesis.given(
+    layout=layouts(min_rank=1), dtype=st.sampled_from(FOUR_BIT_DTYPES),
+    output_dtype=st.sampled_from(FLOAT_DTYPES), seed=st.integers(0, 2**32 - 1),
+)
+def test_dequantize_packed_matches_xla(layout, dtype, output_dtype, seed):
+  rng = np.random.default_rng(seed)
+  shape, scale_shape, kwargs = layout
+  x = _quantized_values(rng, shape, dtype)
+  scale = _scale(rng, scale_shape)
+  zero_point = _zero_point(rng, scale_shape, dtype)
+  expected = jq.dequantize_linear(x, scale, zero_point, output_dtype=output_dtype,
+                                  implementation="xla", **kwargs)
+  for implementation in ("pallas", "xla"):
+    actual = jq.dequantize_linear(
+        jq.pack_int4(x), scale, zero_point, output_dtype=output_dtype,
+        packed_shape=shape, packed_dtype=dtype, implementation=implementation, **kwargs,
+    )
+    assert_bits_equal(actual, expected)
+
+
+def test_packed_kernel_reads_bytes():
+  # An even last dim (and even blocks along it) keeps the bytes packed into
+  # the kernel: its input is the uint8 array, half the size of the int4 one.
+  packed = jnp.zeros((64 * 96 // 2,), jnp.uint8)
+  jaxpr = jax.make_jaxpr(functools.partial(
+      jq.dequantize_linear, axis=1, block_size=32, packed_shape=(64, 96),
+      implementation="pallas",
+  ))(packed, jnp.ones((64, 3)))
+  kernels = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  assert kernels  # one per platform branch
+  for kernel in kernels:
+    assert kernel.invars[0].aval.dtype == jnp.uint8
+    assert kernel.invars[0].aval.size < 64 * 96  # padded to whole tiles, still bytes
+
+
+@few
+@hypothesis.given(
+    layout=layouts(), input_dtype=st.sampled_from(FLOAT_DTYPES),
+    dtype=st.sampled_from(QUANTIZED_DTYPES), saturate=st.booleans(),
+    with_zero_point=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+def test_quantize_matches_xla(layout, input_dtype, dtype, saturate, with_zero_point, seed):
+  rng = np.random.default_rng(seed)
+  shape, scale_shape, kwargs = layout
+  scale = _scale(rng, scale_shape)
+  x = _float_values(rng, shape, input_dtype, 1.0 if not scale_shape else 0.25)
+  zero_point = _zero_point(rng, scale_shape, dtype) if with_zero_point else None
+  run = functools.partial(jq.quantize_linear, x, scale, zero_point, saturate=saturate,
+                          output_dtype=None if with_zero_point else dtype, **kwargs)
+  assert_bits_equal(run(implementation="pallas"), run(implementation="xla"))
+
+
+@st.composite
+def broadcast_pairs(draw):
+  rank = draw(st.integers(0, 4))
+  shape = draw(st.lists(st.integers(1, 33), min_size=rank, max_size=rank))
+  a = [n if draw(st.booleans()) else 1 for n in shape]
+  b = [n if draw(st.booleans()) else 1 for n in shape]
+  return tuple(a), tuple(b[draw(st.integers(0, rank)):])
+
+
+@few
+@hypothesis.given(
+    shapes=broadcast_pairs(), a_dtype=st.sampled_from(INTEGER_DTYPES),
+    b_dtype=st.sampled_from(INTEGER_DTYPES), out_dtype=st.sampled_from(INTEGER_DTYPES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_quantized_add_matches_xla(shapes, a_dtype, b_dtype, out_dtype, seed):
+  rng = np.random.default_rng(seed)
+  a, b = (_quantized_values(rng, s, d) for s, d in zip(shapes, (a_dtype, b_dtype)))
+  args = (a, _scale(rng, ()), _zero_point(rng, (), a_dtype),
+          b, _scale(rng, ()), _zero_point(rng, (), b_dtype),
+          _scale(rng, ()), _zero_point(rng, (), out_dtype))
+  assert_bits_equal(jq.quantized_add(*args, implementation="pallas"),
+                    jq.quantized_add(*args, implementation="xla"))
+
+
+@few
+@hypothesis.given(
+    layout=layouts(), input_dtype=st.sampled_from(FLOAT_DTYPES),
+    dtype=st.sampled_from([jnp.int4, jnp.int8, jnp.uint8, jnp.int16]),
+    symmetric=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+def test_dynamic_quantize_matches_xla(layout, input_dtype, dtype, symmetric, seed):
+  rng = np.random.default_rng(seed)
+  shape, scale_shape, kwargs = layout
+  if len(scale_shape) not in (0, 1) and "block_size" not in kwargs:
+    kwargs = {}  # block-wise broadcast has no dynamic form
+  elif len(scale_shape) == 1 and len(shape) == 1:
+    kwargs = {"axis": 0}
+  symmetric = symmetric and jnp.iinfo(dtype).min < 0
+  x = _float_values(rng, shape, input_dtype, 0.01)
+  x = jnp.where(jnp.isinf(x), 0, x)  # an infinite range makes every scale inf (tested in test_dynamic)
+  run = functools.partial(jq.dynamic_quantize_linear, x, dtype=dtype, symmetric=symmetric,
+                          **kwargs)
+  for actual, expected in zip(run(implementation="pallas"), run(implementation="xla")):
+    assert_bits_equal(actual, expected)
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), ()])
+def test_empty_and_scalar(shape):
+  x = jnp.zeros(shape, jnp.float32)
+  assert_bits_equal(jq.quantize_linear(x, 0.5, implementation="pallas"),
+                    jq.quantize_linear(x, 0.5))
+  for actual, expected in zip(jq.dynamic_quantize_linear(x, implementation="pallas"),
+                              jq.dynamic_quantize_linear(x)):
+    assert_bits_equal(actual, expected)
+
+
+class TransformationsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_vmap_of_kernels_matches_xla(self):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-8, 8, (3, 16, 64)), jnp.int8)
+    scale = jnp.linspace(0.1, 1, 3 * 16 * 2).reshape(3, 16, 2)
+    for implementation in ("pallas", "xla"):
+      dequantize = self.variant(jax.vmap(functools.partial(
+          jq.dequantize_linear, axis=1, block_size=32, implementation=implementation)))
+      dynamic = self.variant(jax.vmap(functools.partial(
+          jq.dynamic_quantize_linear, dtype=jnp.int8, axis=0,
+          implementation=implementation)))
+      results = (dequantize(x, scale), *dynamic(x.astype(jnp.float32)))
+      if implementation == "pallas":
+        kernel_results = results
+    for actual, expected in zip(kernel_results, results):
+      assert_bits_equal(actual, expected)
+
+
+# --- implementation=None ------------------------------------------------------------
+
+
+def _equations(jaxpr):
+  """Every equation, also inside jit, cond branches (one per platform) and the like."""
+  for equation in jaxpr.eqns:
+    yield equation
+    for value in equation.params.values():
+      for inner in value if isinstance(value, (tuple, list)) else [value]:
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
+
+
+def _uses_pallas(function, *args):
+  jaxpr = jax.make_jaxpr(function)(*args).jaxpr
+  return any(e.primitive.name == "pallas_call" for e in _equations(jaxpr))
+
+
+def test_default_implementation_is_xla_until_a_kernel_is_measured_faster():
+  # No kernel has been timed on hardware (PALLAS_FASTER is empty), so None
+  # must never pick the kernels, and "pallas" must always run them.
+  assert _dispatch.PALLAS_FASTER == {}
+  x = jnp.zeros((8, 128), jnp.int8)
+  assert not _uses_pallas(jq.dequantize_linear, x, 1.0)
+  assert _uses_pallas(functools.partial(jq.dequantize_linear, implementation="pallas"), x, 1.0)
+  assert _uses_pallas(
+      functools.partial(jq.dynamic_quantize_linear, implementation="pallas"), x.astype(float)
+  )
+
+
+# --- the kernels under each backend's tiling, against their XLA twins ---------------
+
+# Small caps force several grid steps and padded edges on small arrays.
+BACKEND_TILINGS = [("tpu", (32, 128)), ("triton", (2, 64))]
+
+
+def _kernel_operands(rng, shape, dtype, scale_shape):
+  x = _quantized_values(rng, shape, dtype)
+  return x, _scale(rng, scale_shape), _zero_point(rng, scale_shape, dtype)
+
+
+@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("shape, scale_shape", [
+    ((70, 300), (1, 300)),       # per column, ragged lanes
+    ((5, 70, 33), (1, 70, 1)),   # per middle axis
+    ((200, 3, 32), (200, 3, 1)),  # blocked view, block 32
+])
+def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
+  rng = np.random.default_rng(1)
+  x, scale, zero_point = _kernel_operands(rng, shape, dtype, scale_shape)
+  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+                                          output_dtype=jnp.bfloat16),
+             "output_dtype": np.dtype(jnp.bfloat16)}
+  assert_bits_equal(
+      pallas_kernels.dequantize(x, scale, zero_point, backend=backend, interpret=True,
+                                max_block=max_block, **options),
+      pallas_kernels.dequantize_reference(x, scale, zero_point, **options),
+  )
+
+
+@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
+@pytest.mark.parametrize("dtype", FOUR_BIT_DTYPES)
+def test_packed_dequantize_kernel(backend, max_block, dtype):
+  rng = np.random.default_rng(2)
+  x, scale, zero_point = _kernel_operands(rng, (48, 6, 64), dtype, (1, 6, 1))
+  packed = jq.pack_int4(x).reshape(48, 6, 32)
+  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+                                          output_dtype=jnp.float32),
+             "output_dtype": np.dtype(jnp.float32), "packed_dtype": np.dtype(dtype)}
+  expected = pallas_kernels.dequantize_reference(packed, scale, zero_point, **options)
+  assert_bits_equal(expected, jq.dequantize_linear(
+      x, scale.reshape(6), zero_point.reshape(6), axis=1))
+  assert_bits_equal(
+      pallas_kernels.dequantize(packed, scale, zero_point, backend=backend, interpret=True,
+                                max_block=max_block, **options),
+      expected,
+  )
+
+
+@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn])
+def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
+  # On Triton the formula runs through _exact's rewrite (jnp.round has no
+  # Triton lowering): ties and their neighbours must still round as XLA does.
+  rng = np.random.default_rng(3)
+  scale = _scale(rng, (1, 200))
+  x = _float_values(rng, (40, 200), jnp.float32, scale)
+  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  options = {"formula": functools.partial(_linear.quantize_formula, info=info,
+                                          precision=np.dtype(np.float32), saturate=True),
+             "output_dtype": info.dtype}
+  assert_bits_equal(
+      pallas_kernels.quantize(x, scale, None, backend=backend, interpret=True,
+                              max_block=max_block, **options),
+      pallas_kernels.quantize_reference(x, scale, None, **options),
+  )
+
+
+@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
+def test_quantized_add_kernel(backend, max_block):
+  rng = np.random.default_rng(4)
+  a = _quantized_values(rng, (9, 1, 130), jnp.int8)
+  b = _quantized_values(rng, (40, 1), jnp.uint8)
+  infos = [_dtypes.quantized_dtype("test", "dtype", d) for d in (jnp.int8, jnp.uint8, jnp.int8)]
+  options = {"formula": functools.partial(_elementwise._add_formula, a_info=infos[0],
+                                          b_info=infos[1], out_info=infos[2]),
+             "output_dtype": np.dtype(jnp.int8)}
+  parameters = [jnp.float32(0.05), jnp.int8(3), jnp.float32(0.07), jnp.uint8(128),
+                jnp.float32(0.1), jnp.int8(-2)]
+  assert_bits_equal(
+      pallas_kernels.quantized_add(a, b, parameters, backend=backend, interpret=True,
+                                   max_block=max_block, **options),
+      pallas_kernels.quantized_add_reference(a, b, parameters, **options),
+  )
+
+
+@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
+@pytest.mark.parametrize("keep", [(False, False), (True, False), (False, True),
+                                  (True, False, True)])
+def test_dynamic_quantize_kernel(backend, max_block, keep):
+  rng = np.random.default_rng(5)
+  shape = (37, 300) if len(keep) == 2 else (7, 70, 33)
+  x = _float_values(rng, shape, jnp.float32, 0.01)
+  x = jnp.where(jnp.isinf(x), 0, x)
+  info = _dtypes.quantized_dtype("test", "dtype", jnp.uint8)
+  options = {
+      "reduction": functools.partial(_dynamic._min_max, keepdims=True),
+      "statistics_dtypes": [np.dtype(np.float32)] * 2,
+      "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
+      "formula": functools.partial(_linear.quantize_formula, info=info,
+                                   precision=np.dtype(np.float32), saturate=True),
+      "output_dtype": info.dtype,
+  }
+  actual = pallas_kernels.dynamic_quantize(
+      x, keep, backend=backend, interpret=True, max_block=max_block, **options)
+  expected = pallas_kernels.dynamic_quantize_reference(x, keep, **options)
+  for a, e in zip(actual, expected):
+    assert_bits_equal(a, e)
+
+
+# --- the pieces the kernels rely on --------------------------------------------------
+
+
+def test_round_half_to_even_matches_jnp_round():
+  ties = np.arange(-2**12, 2**12, dtype=np.float32) + np.float32(0.5)
+  near = np.concatenate([np.nextafter(ties, np.float32(np.inf)),
+                         np.nextafter(ties, np.float32(-np.inf))])
+  big = np.float32(2.0**23) + np.arange(-8, 8, dtype=np.float32) * np.float32(0.5)
+  special = np.array([0.0, -0.0, 0.3, -0.3, np.inf, -np.inf, np.nan, 3e38, -3e38,
+                      2**23 - 0.5, -(2**23 - 0.5), 1e-45], np.float32)
+  rng = np.random.default_rng(6)
+  random = rng.normal(0, 1e4, 10000).astype(np.float32)
+  x = jnp.asarray(np.concatenate([ties, near, big, -big, special, random]))
+  assert_bits_equal(jax.jit(_exact.round_half_to_even)(x), jnp.round(x))
+
+
+@pytest.mark.parametrize("dtype", FOUR_BIT_DTYPES)
+def test_decode_nibbles_covers_every_code(dtype):
+  codes = np.arange(16, dtype=np.uint8)
+  expected = np.asarray(jax.lax.bitcast_convert_type(
+      jnp.asarray(codes).astype(jnp.uint4), dtype)).astype(np.float32)
+  decoded = np.asarray(decode_nibbles(jnp.asarray(codes), np.dtype(dtype)),
+                       np.float32)
+  assert_bits_equal(decoded, expected)
+
+
+@hypothesis.given(
+    shape=st.lists(st.integers(1, 5000), min_size=2, max_size=4),
+    dtypes=st.lists(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int8, jnp.int4,
+                                     jnp.float8_e4m3fn, jnp.int16]), min_size=1, max_size=3),
+)
+def test_tile_shapes_obey_backend_rules(shape, dtypes):
+  tpu = _tiling.tile_shape(shape, [np.dtype(d) for d in dtypes], "tpu")
+  padded = _tiling.padded_shape(shape, tpu)
+  rows, lanes = tpu[-2:]
+  assert rows == padded[-2] or rows % max(_tiling.sublanes(d) for d in dtypes) == 0
+  assert lanes == padded[-1] or lanes % _tiling.LANES == 0
+  assert all(t == 1 for t in tpu[:-2])
+  triton = _tiling.tile_shape(shape, [np.dtype(d) for d in dtypes], "triton")
+  assert all(t & (t - 1) == 0 for t in triton)
+  assert math.prod(triton) <= math.prod(_tiling.MAX_BLOCK["triton"])
+
+
+# --- lowering for real hardware, from this CPU ----------------------------------------
+
+P = "pallas"
+LOWERING_CASES = {
+    "dequantize int8 per-column ragged -> f32": (
+        lambda x, s: jq.dequantize_linear(x, s, axis=1, implementation=P),
+        (jnp.zeros((1000, 4100), jnp.int8), jnp.ones((4100,)))),
+    "dequantize uint8 per-row -> bf16": (
+        lambda x, s: jq.dequantize_linear(x, s, jnp.zeros(300, jnp.uint8), axis=0,
+                                          output_dtype=jnp.bfloat16, implementation=P),
+        (jnp.zeros((300, 77), jnp.uint8), jnp.ones((300,)))),
+    "dequantize int4 blocked 32 -> f16": (
+        lambda x, s: jq.dequantize_linear(x, s.astype(jnp.float16), axis=1, block_size=32,
+                                          implementation=P),
+        (jnp.zeros((256, 4096), jnp.int4), jnp.ones((256, 128)))),
+    "dequantize packed int4 blocked 32 along axis 0": (
+        lambda x, s: jq.dequantize_linear(x, s, axis=0, block_size=32,
+                                          packed_shape=(4096, 512), implementation=P),
+        (jnp.zeros((4096 * 512 // 2,), jnp.uint8), jnp.ones((128, 512)))),
+    "dequantize packed uint4 blocked 64 ragged": (
+        lambda x, s: jq.dequantize_linear(x, s, axis=1, block_size=64,
+                                          packed_shape=(100, 1000), packed_dtype=jnp.uint4,
+                                          implementation=P),
+        (jnp.zeros((50000,), jnp.uint8), jnp.ones((100, 16)))),
+    "dequantize float8_e4m3fn per-tensor -> bf16": (
+        lambda x: jq.dequantize_linear(x, jnp.bfloat16(2), implementation=P),
+        (jnp.zeros((33, 3, 129), jnp.float8_e4m3fn),)),
+    "quantize f32 -> int8 per-column": (
+        lambda x, s: jq.quantize_linear(x, s, jnp.zeros(4100, jnp.int8), implementation=P),
+        (jnp.zeros((1000, 4100)), jnp.ones((4100,)))),
+    "quantize bf16 -> float8_e5m2 per-tensor": (
+        lambda x: jq.quantize_linear(x, 2.0, output_dtype=jnp.float8_e5m2, implementation=P),
+        (jnp.zeros((129, 257), jnp.bfloat16),)),
+    "quantize f32 -> int4 blocked 128": (
+        lambda x, s: jq.quantize_linear(x, s, output_dtype=jnp.int4, axis=1, block_size=128,
+                                        implementation=P),
+        (jnp.zeros((64, 4096)), jnp.ones((64, 32)))),
+    "quantized_add int8 + uint8 broadcast": (
+        lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(1), b, 0.2, jnp.uint8(3), 0.3,
+                                      jnp.int8(0), implementation=P),
+        (jnp.zeros((64, 1, 1000), jnp.int8), jnp.zeros((7, 1), jnp.uint8))),
+    "dynamic_quantize per-tensor uint8": (
+        lambda x: jq.dynamic_quantize_linear(x, implementation=P),
+        (jnp.zeros((1000, 4100)),)),
+    "dynamic_quantize per-row symmetric int8, bf16 in": (
+        lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0, symmetric=True,
+                                             implementation=P),
+        (jnp.zeros((4096, 4096), jnp.bfloat16),)),
+    "dynamic_quantize per-block 32 int4, odd rank 3": (
+        lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int4, axis=2, block_size=32,
+                                             implementation=P),
+        (jnp.zeros((3, 17, 100)),)),
+}
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=str)
+def test_kernel_lowers_for_hardware(case, platform):
+  function, args = LOWERING_CASES[case]
+  text = jax.jit(function).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  if platform == "tpu":
+    assert "tpu_custom_call" in text
+  else:
+    assert "__gpu$xla.gpu.triton" in text
+    # Triton's own float32 division is approximate: quantize must divide with
+    # the IEEE instruction.
+    assert ("div.rn.f32" in text) == case.startswith(("quantize", "dynamic", "quantized_add"))
