@@ -357,6 +357,22 @@ ERROR_CASES = [
     _case("unpack-dtype-float32", jq.unpack_int4, (jnp.zeros(2, jnp.uint8),), TypeError,
           rf"dtype must be {QUANTIZED_DTYPES}, got .*float32.*\.",
           shape=(4,), dtype=jnp.float32),
+    # dequantize_linear of packed 4-bit bytes checks them as unpack_int4 does.
+    _case("dq-packed-too-short", dq, (jnp.zeros(3, jnp.uint8), 1.0), ValueError,
+          r"packed\.shape must be \(4,\) to unpack into shape \(2, 4\), got \(3,\)\.",
+          packed_shape=(2, 4)),
+    _case("dq-packed-int8-bytes", dq, (_int8(4), 1.0), TypeError,
+          r"packed\.dtype must be uint8, got int8\.", packed_shape=(2, 4)),
+    _case("dq-packed-dtype-int8", dq, (jnp.zeros(4, jnp.uint8), 1.0), TypeError,
+          r"packed_dtype must be int4, uint4 or float4_e2m1fn, got int8\.",
+          packed_shape=(2, 4), packed_dtype=jnp.int8),
+    _case("dq-packed-shape-negative", dq, (jnp.zeros(4, jnp.uint8), 1.0), TypeError,
+          r"packed_shape must be a sequence of non-negative ints, got \(2, -4\)\.",
+          packed_shape=(2, -4)),
+    _case("dq-packed-zero-point-dtype", dq,
+          (jnp.zeros(4, jnp.uint8), 1.0, jnp.int4(0)), TypeError,
+          r"zero_point\.dtype must be uint4 \(the quantized dtype\), got int4\.",
+          packed_shape=(2, 4), packed_dtype=jnp.uint4),
 ]
 
 assert len({case.id for case in ERROR_CASES}) == len(ERROR_CASES), "duplicate ids"
@@ -393,29 +409,6 @@ def test_message_format(case):
   message = str(info.value)
   assert MESSAGE_FORMAT.fullmatch(message), message
   assert message.startswith(f"{case.name}: "), message
-
-
-@pytest.mark.parametrize("mode", ["eager", "outer_jit", "trace_only"])
-@pytest.mark.parametrize(
-    "function, args",
-    [
-        (dq, (_int8(4), 1.0)),
-        (q, (_float32(4), 1.0)),
-        (qa, (_int8(3), 1.0, None, _int8(3), 1.0, None, 1.0)),
-        (dyn, (_float32(4),)),
-    ],
-    ids=["dq", "q", "add", "dynamic"],
-)
-def test_pallas_implementation_not_yet_available(function, args, mode):
-  # The fused kernels arrive later (pallas_kernels/); until then "pallas" must
-  # refuse loudly rather than silently fall back to XLA. Replace this test with
-  # the kernel tests when they land.
-  case = ErrorCase("pallas", function, args, {"implementation": "pallas"},
-                   NotImplementedError, "")
-  with pytest.raises(
-      NotImplementedError, match=rf"\A{case.name}: implementation='pallas' has no"
-  ):
-    _call(case, mode)
 
 
 # --- arguments that look odd but are valid, and must not raise ---------------

@@ -39,9 +39,10 @@ FOUR_BIT_DTYPES = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INTEGER_DTYPES = [jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16]
 
-# The kernels compile once per shape; a handful of examples per test covers
-# the layouts without turning the suite into a compile benchmark.
-few = hypothesis.settings(max_examples=20)
+# The kernels compile once per shape (and per platform branch); a third of
+# the profile's examples covers the layouts without turning the suite into a
+# compile benchmark (20 under the "ci" profile, 333 under "thorough").
+few = hypothesis.settings(max_examples=hypothesis.settings.default.max_examples // 3)
 
 
 @st.composite
