@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from _timing import best_ms
 
 # Peak HBM bandwidth in GB/s by device_kind, from the vendors' data sheets.
 PEAK_GB_PER_S = {
@@ -38,16 +38,6 @@ PEAK_GB_PER_S = {
     "TPU v5p": 2765.0,
     "TPU v6 lite": 1640.0,
 }
-
-
-def _best_ms(function, repeats):
-  jax.block_until_ready(function())
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(function())
-    best = min(best, time.perf_counter() - start)
-  return best * 1e3
 
 
 def _cases(elements, rng):
@@ -105,7 +95,7 @@ def main():
       if not np.array_equal(np.asarray(expected).view(np.uint8),
                             np.asarray(actual).view(np.uint8)):
         raise AssertionError(f"{name}: the kernel differs from XLA")
-    xla_ms, pallas_ms = _best_ms(xla, args.repeats), _best_ms(pallas, args.repeats)
+    xla_ms, pallas_ms = best_ms(xla, args.repeats), best_ms(pallas, args.repeats)
     xla_rate, pallas_rate = moved / xla_ms / 1e6, moved / pallas_ms / 1e6
     share = f"{100 * pallas_rate / peak:.0f}%" if peak else "?"
     print(f"| {name} | {xla_ms:.3f} | {pallas_ms:.3f} | {xla_rate:.0f} | {pallas_rate:.0f} "

@@ -24,16 +24,7 @@ from onnx import TensorProto, helper
 import onnxruntime
 
 import jaxquant as jq
-
-
-def _best_ms(function, repeats):
-  jax.block_until_ready(function())
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(function())
-    best = min(best, time.perf_counter() - start)
-  return best * 1e3
+from _timing import best_ms
 
 
 def _onnxruntime(op, x, scale, zero_point, axis, block_size):
@@ -109,8 +100,8 @@ def main():
               _onnxruntime("DequantizeLinear", q, scale, zero_point, **kwargs)),
       }
       for op, (ours, *peers) in cases.items():
-        ours_ms = _best_ms(ours, args.repeats)
-        ratios = [_best_ms(peer, args.repeats) / ours_ms for peer in peers]
+        ours_ms = best_ms(ours, args.repeats)
+        ratios = [best_ms(peer, args.repeats) / ours_ms for peer in peers]
         print(f"{op:10} {size:9d} {layout:11} {ours_ms:11.2f} "
               f"{ratios[0]:7.2f} {ratios[1]:8.2f} {ratios[2]:14.2f}")
 
