@@ -18,6 +18,7 @@ is lowered: Mosaic on TPU, Triton on CUDA/ROCm, interpret mode elsewhere (CPU).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 import math
 
 import jax
@@ -94,8 +95,45 @@ def _collapse(
   ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Operands collapsed, widened to 2-D and padded to whole tiles.
+
+  Attributes:
+    arrays: the laid-out arrays (``None`` for a grouping-only shape).
+    shapes: each operand's logical shape in the layout (a packed operand's
+      array holds half the last dim).
+    collapsed: the collapsed output shape, before folding 1-D into rows.
+    rows: the output shape the kernel sees before tile padding.
+    padded: ``rows`` rounded up to whole tiles.
+    tile: the block shape.
+  """
+
+  arrays: list[jax.Array | None]
+  shapes: list[tuple[int, ...]]
+  collapsed: tuple[int, ...]
+  rows: tuple[int, ...]
+  padded: tuple[int, ...]
+  tile: tuple[int, ...]
+
+  @property
+  def grid(self) -> tuple[int, ...]:
+    return tuple(p // t for p, t in zip(self.padded, self.tile))
+
+  def trim(self, result: jax.Array) -> jax.Array:
+    """A result on the padded layout cut back to the collapsed shape (size-1 dims stay 1).
+
+    Tile padding is cut first: a 1-D output folded into rows may have padded
+    lanes in every row, not only at the end.
+    """
+    result = result[tuple(slice(0, n) for n in self.rows)]
+    if len(self.collapsed) == 1:
+      return result.reshape(-1)[:self.collapsed[0]]
+    return result
+
+
 def _lay_out(
-    arrays: Sequence[jax.Array],
+    arrays: Sequence[jax.Array | None],
     logical_shapes: Sequence[tuple[int, ...]],
     out_shape: tuple[int, ...],
     *,
@@ -104,52 +142,48 @@ def _lay_out(
     dtypes: Sequence[np.dtype],
     max_block: tuple[int, int] | None,
     pad_value: float,
-) -> tuple[list[jax.Array], list[tuple[int, ...]], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+) -> _Layout:
   """Collapses, widens to 2-D and pads every operand to whole tiles.
 
-  Returns:
-    ``(arrays, shapes, out_shape, padded_out_shape, tile)``: the laid-out
-    arrays, their logical shapes (packed operands hold half the last dim), the
-    collapsed output shape before and after padding, and the tile.
+  An entry of ``arrays`` may be ``None``: its logical shape then only takes
+  part in grouping dims (a reduction's result shape, which tells kept dims
+  from reduced ones).
   """
-  out_shape, shapes = _collapse(logical_shapes, out_shape)
-  if len(out_shape) == 1:
+  collapsed, shapes = _collapse(logical_shapes, out_shape)
+  rows = collapsed
+  if len(collapsed) == 1:
     # One dim: fold it into rows of a lane-dense width (padding if need be).
-    width = _tiling.flat_width(out_shape[0], backend, max_block)
+    width = _tiling.flat_width(collapsed[0], backend, max_block)
     if any(packed):
       width += width % 2
-    rows = -(-out_shape[0] // width)
-    shapes = [(rows, width) if shape[0] != 1 else (1, 1) for shape in shapes]
-    flat_padded = rows * width
+    rows = (-(-collapsed[0] // width), width)
+    shapes = [rows if shape[0] != 1 else (1, 1) for shape in shapes]
     arrays = [
-        jnp.pad(a.reshape(-1), (0, (flat_padded - out_shape[0]) // (2 if p else 1)),
-                constant_values=pad_value) if shape != (1, 1) else a
+        jnp.pad(a.reshape(-1), (0, (math.prod(rows) - collapsed[0]) // (2 if p else 1)),
+                constant_values=pad_value) if a is not None and shape != (1, 1) else a
         for a, shape, p in zip(arrays, shapes, packed)
     ]
-    out_shape = (out_shape[0],)
-    padded_rows_shape = (rows, width)
-  else:
-    padded_rows_shape = out_shape
-  tile = _tiling.tile_shape(padded_rows_shape, dtypes, backend, max_block)
+  tile = _tiling.tile_shape(rows, dtypes, backend, max_block)
   if any(packed) and tile[-1] % 2:
     tile = tile[:-1] + (tile[-1] + 1,)
-  if backend == "tpu" and any(packed) and tile[-1] != padded_rows_shape[-1]:
+  if backend == "tpu" and any(packed) and tile[-1] != rows[-1]:
     # The packed block holds half the lanes: keep it a multiple of 128.
     tile = tile[:-1] + (-(-tile[-1] // (2 * _tiling.LANES)) * 2 * _tiling.LANES,)
-  padded = _tiling.padded_shape(padded_rows_shape, tile)
+  padded = _tiling.padded_shape(rows, tile)
   laid_out = []
   for array, shape, is_packed in zip(arrays, shapes, packed):
-    storage = shape[:-1] + (shape[-1] // 2,) if is_packed else shape
-    array = array.reshape(storage)
-    target = tuple(p if n != 1 else 1 for p, n in zip(padded, shape))
-    if is_packed:
-      target = target[:-1] + (target[-1] // 2,)
-    if target != storage:
-      array = jnp.pad(
-          array, [(0, t - n) for t, n in zip(target, storage)], constant_values=pad_value
-      )
+    if array is not None:
+      storage = shape[:-1] + (shape[-1] // 2,) if is_packed else shape
+      array = array.reshape(storage)
+      target = tuple(p if n != 1 else 1 for p, n in zip(padded, shape))
+      if is_packed:
+        target = target[:-1] + (target[-1] // 2,)
+      if target != storage:
+        array = jnp.pad(
+            array, [(0, t - n) for t, n in zip(target, storage)], constant_values=pad_value
+        )
     laid_out.append(array)
-  return laid_out, shapes, out_shape, padded, tile
+  return _Layout(laid_out, shapes, collapsed, rows, padded, tile)
 
 
 def _block_spec(shape: tuple[int, ...], tile: tuple[int, ...], *, packed: bool = False):
@@ -204,15 +238,15 @@ def elementwise(
     return tuple(jnp.zeros(out_shape, d) for d in result_dtypes)
 
   def call(arrays, *, backend, interpret, divide_asm):
-    laid_out, shapes, flat_shape, padded, tile = _lay_out(
+    layout = _lay_out(
         arrays, logical, out_shape, packed=[packed[i] for i in present],
         backend=backend, dtypes=[*(a.dtype for a in arrays), *result_dtypes],
         max_block=max_block, pad_value=0,
     )
+    tile, shapes = layout.tile, layout.shapes
     kernel_formula = formula
     if backend == "triton":
       kernel_formula = _exact.exact(formula, divide=divide_asm)
-    grid = tuple(p // t for p, t in zip(padded, tile))
     is_packed = [packed[i] for i in present]
 
     def kernel(*refs):
@@ -243,19 +277,15 @@ def elementwise(
 
     results = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(padded, d) for d in result_dtypes],
-        grid=grid,
+        out_shape=[jax.ShapeDtypeStruct(layout.padded, d) for d in result_dtypes],
+        grid=layout.grid,
         in_specs=[_block_spec(s, tile, packed=p) for s, p in zip(shapes, is_packed)],
-        out_specs=[_block_spec(padded, tile) for _ in result_dtypes],
-        compiler_params=None if interpret else _compiler_params(backend, grid, tile),
+        out_specs=[_block_spec(layout.padded, tile) for _ in result_dtypes],
+        compiler_params=None if interpret else _compiler_params(backend, layout.grid, tile),
         interpret=interpret,
         name=name,
-    )(*laid_out)
-    return tuple(
-        r.reshape(-1)[:flat_shape[0]] if len(flat_shape) == 1
-        else r[tuple(slice(0, n) for n in flat_shape)]
-        for r in results
-    )
+    )(*layout.arrays)
+    return tuple(layout.trim(r) for r in results)
 
   results = _dispatch(call, arrays, backend=backend, interpret=interpret)
   return tuple(r.reshape(out_shape) for r in results)
@@ -301,24 +331,15 @@ def reduce(
 
   def call(arrays, *, backend, interpret, divide_asm):
     del divide_asm
-    (x,) = arrays
     # The result's shape marks reduced dims as broadcast, so the collapse
     # merges kept dims with kept dims and reduced with reduced only.
-    collapsed, (kept_shape, _) = _collapse([result_shape, x.shape], x.shape)
-    kept = [n != 1 for n in kept_shape]
-    if len(collapsed) == 1:
-      width = _tiling.flat_width(collapsed[0], backend, max_block)
-      rows = -(-collapsed[0] // width)
-      view = jnp.pad(x.reshape(-1), (0, rows * width - collapsed[0]), constant_values=pad_value)
-      view, kept, collapsed_rows = view.reshape(rows, width), kept * 2, (rows, width)
-    else:
-      view, collapsed_rows = x.reshape(collapsed), collapsed
-    tile = _tiling.tile_shape(collapsed_rows, [x.dtype, *result_dtypes], backend, max_block)
-    padded = _tiling.padded_shape(collapsed_rows, tile)
-    if padded != collapsed_rows:
-      view = jnp.pad(view, [(0, p - n) for p, n in zip(padded, collapsed_rows)],
-                     constant_values=pad_value)
-    grid = tuple(p // t for p, t in zip(padded, tile))
+    layout = _lay_out(
+        [*arrays, None], [x.shape, result_shape], x.shape, packed=[False, False],
+        backend=backend, dtypes=[x.dtype, *result_dtypes], max_block=max_block,
+        pad_value=pad_value,
+    )
+    tile, grid = layout.tile, layout.grid
+    kept = [n != 1 for n in layout.shapes[1]]
     rank = len(tile)
     axes = tuple(d for d in range(rank) if not kept[d])
     partial_tile = tuple(t if k else 1 for t, k in zip(tile, kept))
@@ -339,24 +360,17 @@ def reduce(
         compiler_params=None if interpret else _compiler_params(backend, grid, tile),
         interpret=interpret,
         name=name,
-    )(view)
-    # Combine the partials over the grid axes of reduced dims, then put each
-    # kept dim's (tile index, offset in tile) pair back together.
-    # The k-th result is the k-th reduction of the k-th partials (min of the
-    # minima, max of the maxima).
-    grid_axes = tuple(axes)
-    combined = [reduction(part, grid_axes)[k] for k, part in enumerate(partials)]
+    )(layout.arrays[0])
+    # Combine the partials over the grid axes of reduced dims: the k-th result
+    # is the k-th reduction of the k-th partials (min of the minima, max of the
+    # maxima). Then put each kept dim's (tile index, offset in tile) back together.
     order = [a for d in range(rank) for a in (d, rank + d)]
-    results = []
-    for part in combined:
-      part = part.transpose(order).reshape(
-          tuple(p if k else 1 for p, k in zip(padded, kept))
-      )
-      results.append(part[tuple(slice(0, n) if k else slice(None)
-                                for n, k in zip(collapsed_rows, kept))])
-    return tuple(results)
+    return tuple(
+        layout.trim(reduction(part, axes)[k].transpose(order).reshape(
+            tuple(p if keep else 1 for p, keep in zip(layout.padded, kept))))
+        for k, part in enumerate(partials)
+    )
 
   results = _dispatch(call, [x], backend=backend, interpret=interpret)
-  return tuple(r.reshape(-1)[:math.prod(result_shape)].reshape(result_shape)
-               for r in results)
+  return tuple(r.reshape(result_shape) for r in results)
 

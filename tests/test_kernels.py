@@ -397,6 +397,35 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
     assert_bits_equal(a, e)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "triton"])
+@pytest.mark.parametrize("size", [1152, 300, 4096 + 128])
+def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
+  # A 1-D output is folded into rows of a width dividing it (1152 -> 3 x 384);
+  # Triton's power-of-two tile then pads every row (384 -> 512 lanes), so the
+  # result must lose that padding before it is flattened. The small caps of
+  # the other tests never make such a width.
+  rng = np.random.default_rng(7)
+  x = _quantized_values(rng, (size,), jnp.int8)
+  info = _dtypes.quantized_dtype("test", "dtype", jnp.int8)
+  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+                                          output_dtype=jnp.float32),
+             "output_dtype": np.dtype(jnp.float32)}
+  scale = jnp.float32(0.5).reshape(1)
+  assert_bits_equal(
+      pallas_kernels.dequantize(x, scale, None, backend=backend, interpret=True, **options),
+      pallas_kernels.dequantize_reference(x, scale, None, **options),
+  )
+  values = _float_values(rng, (size,), jnp.float32, 0.01)
+  values = jnp.where(jnp.isinf(values), 0, values)
+  reduction = functools.partial(_dynamic._min_max, keepdims=True)
+  for keep in [(False,), (True,)]:
+    actual = pallas_kernels._blockwise.reduce(
+        reduction, values, keep, [np.dtype(np.float32)] * 2, pad_value=np.nan,
+        backend=backend, interpret=True)
+    for a, e in zip(actual, reduction(values, () if keep[0] else (0,))):
+      assert_bits_equal(a, e)
+
+
 # --- the pieces the kernels rely on --------------------------------------------------
 
 
