@@ -15,7 +15,6 @@ within a run, never absolute times across runs.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp

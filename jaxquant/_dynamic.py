@@ -156,7 +156,6 @@ def dynamic_quantize_linear(
     y, scale, zero_point = pallas_kernels.dynamic_quantize(
         view.x, view.keep,
         reduction=functools.partial(reduction, keepdims=True),
-        statistics_dtypes=[accumulate] * (1 if symmetric else 2),
         parameters=parameters, formula=formula, output_dtype=info.dtype,
     )
     y = view.restore(y)

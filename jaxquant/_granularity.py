@@ -201,15 +201,22 @@ def _slice_params(params, d: int, start: int, stop: int):
   return [None if p is None else lax.slice_in_dim(p, start, stop, axis=d) for p in params]
 
 
+def _blocked_shape(
+    shape: Sequence[int], granularity: Granularity, *, params: bool = False
+) -> list[int]:
+  """``shape`` with each split dim as ``(blocks, block)``, or ``(blocks, 1)`` for parameters."""
+  blocked = []
+  for d, length in enumerate(shape):
+    if d in granularity.split_dims:
+      blocked += [granularity.param_shape[d], 1 if params else granularity.block_shape[d]]
+    else:
+      blocked.append(length)
+  return blocked
+
+
 def _blocked_view(x: jax.Array, granularity: Granularity) -> jax.Array:
   """x (padded to whole blocks) with each split dim reshaped to ``(blocks, block)``."""
-  blocked_shape = []
-  for d, length in enumerate(x.shape):
-    if d in granularity.split_dims:
-      blocked_shape += [granularity.param_shape[d], granularity.block_shape[d]]
-    else:
-      blocked_shape.append(length)
-  return x.reshape(blocked_shape)
+  return x.reshape(_blocked_shape(x.shape, granularity))
 
 
 def apply_blockwise(
@@ -365,15 +372,8 @@ def kernel_view(
         (0, (p - n) // (2 if packed and d == last else 1))
         for d, (p, n) in enumerate(zip(padded, shape))
     ], constant_values=pad_value)
-  x_view, param_view = [], []
-  for d, length in enumerate(padded):
-    if d in split:
-      block = granularity.block_shape[d]
-      x_view += [granularity.param_shape[d], block]
-      param_view += [granularity.param_shape[d], 1]
-    else:
-      x_view.append(length)
-      param_view.append(granularity.param_shape[d])
+  x_view = _blocked_shape(padded, granularity)
+  param_view = _blocked_shape(granularity.param_shape, granularity, params=True)
   if packed:
     x_view[-1] //= 2
   return KernelView(

@@ -161,13 +161,11 @@ def dequantize_linear(
       axis=axis, block_size=block_size,
   )
   formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
+  use_kernel = _dispatch.select(function, implementation) == "pallas"
   packed = packed_shape is not None
-  if packed and not (
-      _dispatch.select(function, implementation) == "pallas"
-      and _granularity.packable(granularity, shape)
-  ):
+  if packed and not (use_kernel and _granularity.packable(granularity, shape)):
     x, packed = _packing.unpacked(x, shape, info.dtype), False
-  if _dispatch.select(function, implementation) == "pallas" and math.prod(shape):
+  if use_kernel and math.prod(shape):
     view = _granularity.kernel_view(x, [scale, zero_point], granularity, shape=shape)
     return view.restore(pallas_kernels.dequantize(
         view.x, *view.params, formula=formula, output_dtype=output_dtype,

@@ -295,7 +295,6 @@ def reduce(
     reduction: Callable[[jax.Array, tuple[int, ...]], Sequence[jax.Array]],
     x: jax.Array,
     keep: Sequence[bool],
-    result_dtypes: Sequence[np.dtype],
     *,
     pad_value: float,
     backend: Backend | None = None,
@@ -315,7 +314,6 @@ def reduce(
       size-1 dims; it must be associative (min, max, sum) and ignore ``pad_value``.
     x: the array to reduce.
     keep: per dim of x, whether it is kept (a parameter dim) or reduced.
-    result_dtypes: the dtypes ``reduction`` returns.
     pad_value: what padding reads as (for min/max: NaN, when NaN is ignored).
     backend, interpret, max_block, name: as for :func:`elementwise`.
 
@@ -323,6 +321,9 @@ def reduce(
     The reductions, each shaped like x with the reduced dims set to 1.
   """
   result_shape = tuple(n if k else 1 for n, k in zip(x.shape, keep))
+  result_dtypes = [
+      r.dtype for r in jax.eval_shape(lambda x: reduction(x, tuple(range(x.ndim))), x)
+  ]
   if x.size == 0:
     # Nothing but padding: what the reduction makes of one padding element.
     padding = jnp.full((1,) * x.ndim, pad_value, x.dtype)

@@ -24,7 +24,6 @@ def dynamic_quantize(
     keep: Sequence[bool],
     *,
     reduction: Reduction,
-    statistics_dtypes: Sequence[np.dtype],
     parameters: Callable[..., tuple[jax.Array, jax.Array]],
     formula: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     output_dtype: np.dtype,
@@ -40,7 +39,6 @@ def dynamic_quantize(
     keep: per dim of x, whether parameters vary along it (else it is reduced).
     reduction: ``reduction(block, axes)``: associative statistics over ``axes``
       with kept size-1 dims, ignoring NaN (e.g. the NaN-ignoring min and max).
-    statistics_dtypes: the dtypes ``reduction`` returns.
     parameters: ``(scale, zero_point)`` from the statistics (run in XLA).
     formula: ``formula(x, scale, zero_point)``, the element-wise quantization.
     output_dtype: what ``formula`` returns.
@@ -51,7 +49,7 @@ def dynamic_quantize(
     reduced dims set to 1.
   """
   statistics = _blockwise.reduce(
-      reduction, x, keep, statistics_dtypes, pad_value=np.nan,
+      reduction, x, keep, pad_value=np.nan,
       backend=backend, interpret=interpret, max_block=max_block,
       name="dynamic_quantize_statistics",
   )
@@ -68,15 +66,13 @@ def dynamic_quantize_reference(
     keep: Sequence[bool],
     *,
     reduction: Reduction,
-    statistics_dtypes: Sequence[np.dtype],
     parameters: Callable[..., tuple[jax.Array, jax.Array]],
     formula: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     output_dtype: np.dtype,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The pure-XLA twin of :func:`dynamic_quantize`."""
   axes = tuple(d for d, k in enumerate(keep) if not k)
-  statistics = [s.astype(d) for s, d in zip(reduction(x, axes), statistics_dtypes)]
-  scale, zero_point = parameters(*statistics)
+  scale, zero_point = parameters(*reduction(x, axes))
   y = quantize.quantize_reference(
       x, scale, zero_point, formula=formula, output_dtype=output_dtype
   )

@@ -384,7 +384,6 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
   info = _dtypes.quantized_dtype("test", "dtype", jnp.uint8)
   options = {
       "reduction": functools.partial(_dynamic._min_max, keepdims=True),
-      "statistics_dtypes": [np.dtype(np.float32)] * 2,
       "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
       "formula": functools.partial(_linear.quantize_formula, info=info,
                                    precision=np.dtype(np.float32), saturate=True),
@@ -420,7 +419,7 @@ def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   reduction = functools.partial(_dynamic._min_max, keepdims=True)
   for keep in [(False,), (True,)]:
     actual = pallas_kernels._blockwise.reduce(
-        reduction, values, keep, [np.dtype(np.float32)] * 2, pad_value=np.nan,
+        reduction, values, keep, pad_value=np.nan,
         backend=backend, interpret=True)
     for a, e in zip(actual, reduction(values, () if keep[0] else (0,))):
       assert_bits_equal(a, e)
