@@ -2,6 +2,10 @@
 
 from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
 from jaxquant._elementwise import quantized_add as quantized_add
+from jaxquant._fake import fake_quantize as fake_quantize
+from jaxquant._fake import fake_quantize_dynamic as fake_quantize_dynamic
+from jaxquant._fake import fake_quantize_learnable as fake_quantize_learnable
+from jaxquant._fake import lsq_grad_factor as lsq_grad_factor
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
 from jaxquant._packing import pack_int4 as pack_int4
@@ -12,6 +16,10 @@ __version__ = "0.1.0"
 __all__ = (
     "dequantize_linear",
     "dynamic_quantize_linear",
+    "fake_quantize",
+    "fake_quantize_dynamic",
+    "fake_quantize_learnable",
+    "lsq_grad_factor",
     "pack_int4",
     "quantize_linear",
     "quantized_add",

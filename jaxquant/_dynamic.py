@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import dataclasses
 import functools
 
 import jax
@@ -69,6 +71,71 @@ def _symmetric_parameters(magnitude, *, info):
   return scale, jnp.zeros_like(scale, info.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicRange:
+  """How scale and zero point follow from x: the validated static options.
+
+  Attributes:
+    info: the integer quantized dtype.
+    granularity: one parameter per tensor, per index of ``axis`` or per block.
+    reduction: ``reduction(view, axes)``: the statistics of x, NaNs ignored.
+    parameters: ``parameters(*statistics)``: ``(scale, zero_point)``.
+  """
+
+  info: _dtypes.QuantizedDType
+  granularity: _granularity.Granularity
+  reduction: Callable[..., tuple[jax.Array, ...]]
+  parameters: Callable[..., tuple[jax.Array, jax.Array]]
+
+  def scale_and_zero_point(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The parameters of x, shaped ``granularity.param_shape``."""
+    return self.parameters(
+        *_granularity.reduce_blockwise(self.reduction, x, self.granularity)
+    )
+
+  def public_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape the parameters are returned in: (), (D,) or x's rank."""
+    if self.granularity.kind == "per-tensor":
+      return ()
+    if self.granularity.kind == "per-axis":
+      return (x_shape[self.granularity.axis],)
+    return self.granularity.param_shape
+
+
+def dynamic_range(
+    function: str,
+    x_shape: tuple[int, ...],
+    *,
+    dtype: DTypeLike,
+    axis: int | None,
+    block_size: int,
+    symmetric: bool,
+) -> DynamicRange:
+  """Validates dynamic quantization's options (shared by every dynamic op).
+
+  Raises:
+    TypeError: if ``dtype`` is not an integer quantized dtype.
+    ValueError: for ``symmetric=True`` with an unsigned dtype, or ``axis`` /
+      ``block_size`` out of range.
+  """
+  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
+  symmetric = _validate.static_bool(function, "symmetric", symmetric)
+  _validate.check(
+      not symmetric or info.min < 0, function, "dtype",
+      "a signed integer dtype when symmetric=True", info.name,
+  )
+  granularity = _granularity.for_reduction(
+      function, x_shape, axis=axis, block_size=block_size
+  )
+  reduction, parameters = (
+      (_max_magnitude, _symmetric_parameters) if symmetric
+      else (_min_max, _asymmetric_parameters)
+  )
+  return DynamicRange(
+      info, granularity, reduction, functools.partial(parameters, info=info)
+  )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("dtype", "axis", "block_size", "symmetric", "implementation"),
@@ -132,42 +199,28 @@ def dynamic_quantize_linear(
   """
   function = "dynamic_quantize_linear"
   x = _dtypes.float_input(function, "x", jnp.asarray(x))
-  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
-  symmetric = _validate.static_bool(function, "symmetric", symmetric)
-  _validate.check(
-      not symmetric or info.min < 0, function, "dtype",
-      "a signed integer dtype when symmetric=True", info.name,
+  dynamic = dynamic_range(
+      function, x.shape, dtype=dtype, axis=axis, block_size=block_size,
+      symmetric=symmetric,
   )
-  granularity = _granularity.for_reduction(
-      function, x.shape, axis=axis, block_size=block_size
-  )
-  accumulate = _dtypes.compute_dtype(x.dtype)
-  reduction, parameters = (
-      (_max_magnitude, _symmetric_parameters) if symmetric
-      else (_min_max, _asymmetric_parameters)
-  )
-  parameters = functools.partial(parameters, info=info)
+  info, granularity = dynamic.info, dynamic.granularity
   formula = functools.partial(
-      _linear.quantize_formula, info=info, precision=accumulate, saturate=True
+      _linear.quantize_formula, info=info, precision=_dtypes.compute_dtype(x.dtype),
+      saturate=True,
   )
   if _dispatch.select(function, implementation) == "pallas" and x.size:
     # NaN pads a short last block: the statistics ignore it.
     view = _granularity.kernel_view(x, [], granularity, pad_value=np.nan)
     y, scale, zero_point = pallas_kernels.dynamic_quantize(
         view.x, view.keep,
-        reduction=functools.partial(reduction, keepdims=True),
-        parameters=parameters, formula=formula, output_dtype=info.dtype,
+        reduction=functools.partial(dynamic.reduction, keepdims=True),
+        parameters=dynamic.parameters, formula=formula, output_dtype=info.dtype,
     )
     y = view.restore(y)
   else:
-    scale, zero_point = parameters(*_granularity.reduce_blockwise(reduction, x, granularity))
+    scale, zero_point = dynamic.scale_and_zero_point(x)
     y = _granularity.apply_blockwise(
         formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
     )
-  if granularity.kind == "per-tensor":
-    shape = ()
-  elif granularity.kind == "per-axis":
-    shape = (x.shape[granularity.axis],)
-  else:
-    shape = granularity.param_shape
+  shape = dynamic.public_shape(x.shape)
   return y, scale.reshape(shape), zero_point.reshape(shape)

@@ -176,7 +176,8 @@ def dequantize_linear(
   )
 
 
-def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
+def quotient_formula(x, scale, *, precision):
+  """``x / scale`` as quantization divides: in float32 (or wider), rounded to ``precision``."""
   # A narrower precision is emulated: operands and quotient rounded to it,
   # the division itself done wider. For float16 and bfloat16 that is exact:
   # float32 has more than 2p + 2 significant bits, so the double rounding of
@@ -184,7 +185,11 @@ def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
   accumulate = _dtypes.compute_dtype(x.dtype, precision)
   x = _dtypes.round_to(x.astype(accumulate), precision)
   scale = _dtypes.round_to(scale.astype(accumulate), precision)
-  quotient = _dtypes.round_to(true_divide(x, scale), precision)
+  return _dtypes.round_to(true_divide(x, scale), precision)
+
+
+def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
+  quotient = quotient_formula(x, scale, precision=precision)
   return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate)
 
 

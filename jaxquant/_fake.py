@@ -1,0 +1,458 @@
+"""Fake quantization for quantization-aware training (SPEC §4).
+
+Every op here is ``dequantize(quantize(x))`` from float to float, bit for bit
+the composition of :func:`quantize_linear` and :func:`dequantize_linear`, with
+a derivative of its own: rounding has derivative 0 almost everywhere, so
+training needs a straight-through estimator.
+
+The derivative is a ``jax.custom_jvp`` on the element-wise formula, not a
+``custom_vjp`` on the op. The rule is linear in the tangents, so JAX
+transposes it for reverse mode (``grad``, ``vjp``) and keeps forward mode
+(``jvp``, ``jacfwd``, Hessian-vector products), which a ``custom_vjp`` loses.
+Because the rule sees one block with its parameters broadcast (the formula
+runs under :func:`_granularity.apply_blockwise`), the transpose of that
+broadcast is what sums a learnable scale's gradient over its block: per
+tensor, per axis and per block alike, without code of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _dtypes
+from jaxquant import _dynamic
+from jaxquant import _granularity
+from jaxquant import _linear
+from jaxquant import _validate
+
+Gradient = Literal["masked", "identity", "lsq"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Quantizer:
+  """The static options of one fake quantizer.
+
+  Attributes:
+    info: the quantized dtype, its range narrowed by ``narrow_range``.
+    precision: the float dtype of the division (float32, or float64 under x64).
+    gradient: ``"masked"``: ``dy/dx`` is 1 where the unclamped quantized value
+      lies in the range, else 0; ``"identity"``: 1 everywhere; ``"lsq"``:
+      masked, plus LSQ's derivatives for a learned scale and float zero point.
+    grad_factor: multiplies the scale and zero point derivatives (``"lsq"``).
+  """
+
+  info: _dtypes.QuantizedDType
+  precision: np.dtype
+  gradient: Gradient
+  grad_factor: float = 1.0
+
+
+def _rounded_zero_point(zero_point, info):
+  """A learned float zero point as the integer the forward pass uses (PyTorch's rule)."""
+  return jnp.clip(jnp.round(zero_point), info.min, info.max)
+
+
+def _forward(x, scale, zero_point, quantizer):
+  """The fake-quantized x in the compute dtype, and the unclamped quantized value.
+
+  The unclamped value is ``round(x / scale) + zero_point`` for integer dtypes
+  and ``x / scale + zero_point`` rounded to the dtype's significand (but not
+  its range) for float ones: the value that saturation would clamp.
+  """
+  info = quantizer.info
+  quotient = _linear.quotient_formula(x, scale, precision=quantizer.precision)
+  quantized = _dtypes.round_and_saturate(quotient, zero_point, info)
+  y = _linear.dequantize_formula(
+      quantized, scale, zero_point, info=info, output_dtype=quotient.dtype
+  )
+  shifted = quotient if zero_point is None else quotient + zero_point.astype(quotient.dtype)
+  if info.is_integer:
+    unclamped = jnp.round(shifted)
+  else:
+    unclamped = lax.reduce_precision(
+        shifted, exponent_bits=jnp.finfo(quotient.dtype).nexp,
+        mantissa_bits=jnp.finfo(info.dtype).nmant,
+    )
+  return y, unclamped
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _fake_quantize(x, scale, zero_point, quantizer):
+  """``dequantize(quantize(x))`` in x's dtype; parameters broadcast against x."""
+  if quantizer.gradient == "lsq":
+    zero_point = _rounded_zero_point(zero_point, quantizer.info)
+  return _forward(x, scale, zero_point, quantizer)[0].astype(x.dtype)
+
+
+@_fake_quantize.defjvp
+def _fake_quantize_jvp(quantizer, primals, tangents):
+  x, scale, zero_point = primals
+  x_dot, scale_dot, zero_point_dot = tangents
+  info = quantizer.info
+  learned = quantizer.gradient == "lsq"
+  if learned:
+    zero_point = _rounded_zero_point(zero_point, info)
+  y, unclamped = _forward(x, scale, zero_point, quantizer)
+  # NaN is neither in the range nor out of it: it passes no gradient anywhere.
+  below, above = unclamped < info.min, unclamped > info.max
+  inside = (unclamped >= info.min) & (unclamped <= info.max)
+  if quantizer.gradient == "identity":
+    y_dot = x_dot
+  else:
+    y_dot = jnp.where(inside, x_dot, jnp.zeros_like(x_dot))
+  if learned:
+    # LSQ (Esser et al. 2019) with PyTorch's cases: inside the range
+    # d(y)/d(scale) = (y - x) / scale and d(y)/d(zero_point) = 0; clamped to
+    # q (qmin or qmax), y = (q - zero_point) * scale.
+    wide = y.dtype
+    scale, zero_point = scale.astype(wide), zero_point.astype(wide)
+    d_scale = jnp.where(
+        inside, (y - x.astype(wide)) / scale,
+        jnp.where(below, info.min - zero_point, jnp.where(above, info.max - zero_point, 0)),
+    )
+    d_zero_point = jnp.where(below | above, -scale, 0)
+    parameters_dot = quantizer.grad_factor * (
+        d_scale * scale_dot.astype(wide) + d_zero_point * zero_point_dot.astype(wide)
+    )
+    y_dot = y_dot + parameters_dot.astype(y_dot.dtype)
+  return y.astype(x.dtype), y_dot
+
+
+def _fake_quantized_dtype(
+    function: str, dtype: DTypeLike, *, narrow_range: bool, integer: bool = False
+) -> _dtypes.QuantizedDType:
+  """The quantized dtype of a fake quantizer: at most 16 bits, narrowed if asked."""
+  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=integer)
+  _validate.check(
+      info.bits <= 16, function, "dtype",
+      "a quantized dtype of at most 16 bits (float32 cannot hold every 32-bit "
+      "integer)", info.name, error=TypeError,
+  )
+  narrow_range = _validate.static_bool(function, "narrow_range", narrow_range)
+  if not narrow_range:
+    return info
+  _validate.check(
+      info.is_integer, function, "narrow_range",
+      f"False for the float dtype {info.name} (its range is symmetric)", narrow_range,
+  )
+  return dataclasses.replace(info, min=info.min + 1)
+
+
+def _apply(x, scale, zero_point, granularity, quantizer):
+  return _granularity.apply_blockwise(
+      lambda x, scale, zero_point: _fake_quantize(x, scale, zero_point, quantizer),
+      x, [scale, zero_point], granularity, result_dtype=x.dtype,
+  )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("dtype", "axis", "block_size", "narrow_range", "gradient"),
+)
+def fake_quantize(
+    x: ArrayLike,
+    scale: ArrayLike,
+    zero_point: ArrayLike | None = None,
+    *,
+    dtype: DTypeLike = jnp.int8,
+    axis: int = 1,
+    block_size: int = 0,
+    narrow_range: bool = False,
+    gradient: Literal["masked", "identity"] = "masked",
+) -> jax.Array:
+  r"""Quantizes and dequantizes ``x``, with a straight-through gradient.
+
+  .. math::
+
+    y = (\mathrm{clip}(\mathrm{round}(x / s) + z, q_{min}, q_{max}) - z) \cdot s,
+    \qquad
+    \frac{\partial y}{\partial x} =
+      \begin{cases}
+        1 & q_{min} \le \mathrm{round}(x / s) + z \le q_{max} \\
+        0 & \text{otherwise}
+      \end{cases}
+
+  The value is bit for bit ``dequantize_linear(quantize_linear(x, s, z), s,
+  z)`` in x's dtype (true division, round half to even, NaN to ``q_min``).
+  ``gradient="masked"`` is PyTorch's rule for ``fake_quantize_per_tensor_affine``:
+  the mask is inclusive and tested on the integer before clamping, so values
+  at ``q_min`` and ``q_max`` pass gradient 1 (``jnp.clip`` would give 0.5),
+  values rounding outside pass 0, and NaN passes 0. ``gradient="identity"``
+  passes ``dy/dx = 1`` everywhere. ``scale`` and ``zero_point`` get zero
+  gradient; learn them with :func:`fake_quantize_learnable`. For float8 and
+  float4 dtypes the mask tests ``x / s + z`` rounded to the dtype's
+  significand against its finite range.
+
+  Args:
+    x: float32, float16 or bfloat16 input.
+    scale: float32, float16, bfloat16 or float8_e8m0fnu scale; its shape picks
+      the granularity as in :func:`quantize_linear` (per tensor, per axis,
+      blocked, block-wise broadcast).
+    zero_point: in ``dtype``, shaped like ``scale``; ``None`` means 0. A
+      Python number takes ``dtype``.
+    dtype: the quantized dtype: an integer type of at most 16 bits, a float8
+      type or float4_e2m1fn.
+    axis: the quantization axis for per-axis and blocked scales.
+    block_size: block length along ``axis`` for blocked scales, else 0.
+    narrow_range: integer dtypes: use ``[q_min + 1, q_max]`` (int8 in
+      [-127, 127]).
+    gradient: ``"masked"`` or ``"identity"``.
+
+  Returns:
+    An array like ``x`` (same shape and dtype).
+
+  Raises:
+    TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point`` or
+      ``dtype``.
+    ValueError: if the shapes fit no granularity, ``axis`` / ``block_size`` are
+      out of range, ``gradient`` is unknown, or ``narrow_range`` is set for a
+      float dtype.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([-130.0, -127.6, 0.5, 1.5, 127.0, 200.0])
+    >>> jq.fake_quantize(x, 1.0)
+    Array([-128., -128.,    0.,    2.,  127.,  127.], dtype=float32)
+    >>> jax.grad(lambda x: jq.fake_quantize(x, 1.0).sum())(x)
+    Array([0., 1., 1., 1., 1., 0.], dtype=float32)
+  """
+  function = "fake_quantize"
+  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  scale = _dtypes.scale_array(function, "scale", scale)
+  info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range)
+  zero_point = _linear.zero_point_array(function, "zero_point", zero_point, info.dtype)
+  _validate.check(
+      gradient in ("masked", "identity"), function, "gradient",
+      "'masked' or 'identity'", repr(gradient),
+  )
+  granularity = _granularity.resolve(
+      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      axis=axis, block_size=block_size,
+  )
+  quantizer = _Quantizer(info, _dtypes.compute_dtype(x.dtype), gradient)
+  return _apply(x, scale, zero_point, granularity, quantizer)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("dtype", "axis", "block_size", "narrow_range", "grad_factor"),
+)
+def fake_quantize_learnable(
+    x: ArrayLike,
+    scale: ArrayLike,
+    zero_point: ArrayLike,
+    *,
+    dtype: DTypeLike = jnp.int8,
+    axis: int = 1,
+    block_size: int = 0,
+    narrow_range: bool = False,
+    grad_factor: float = 1.0,
+) -> jax.Array:
+  r"""Fake quantization with a learned scale and zero point (LSQ, Esser et al. 2019).
+
+  .. math::
+
+    z' = \mathrm{clip}(\mathrm{round}(z), q_{min}, q_{max}), \quad
+    q = \mathrm{round}(x / s) + z', \quad
+    y = (\mathrm{clip}(q, q_{min}, q_{max}) - z') \cdot s
+
+  with gradients, ``g`` the incoming gradient and ``f`` the ``grad_factor``:
+
+  .. math::
+
+    \frac{\partial y}{\partial x} = [q_{min} \le q \le q_{max}], \quad
+    \frac{\partial y}{\partial s} =
+      \begin{cases}
+        (y - x) / s & q_{min} \le q \le q_{max} \\
+        q_{min} - z' & q < q_{min} \\
+        q_{max} - z' & q > q_{max}
+      \end{cases} \cdot f, \quad
+    \frac{\partial y}{\partial z} =
+      \begin{cases}
+        0 & q_{min} \le q \le q_{max} \\
+        -s & \text{otherwise}
+      \end{cases} \cdot f
+
+  summed over the elements each scale covers: PyTorch's
+  ``_fake_quantize_learnable_per_tensor_affine`` and ``_per_channel_affine``,
+  extended to every granularity of :func:`fake_quantize`. The value equals
+  :func:`fake_quantize` with the zero point ``z'``. NaN elements pass no
+  gradient to anything. LSQ recommends ``grad_factor=``
+  :func:`lsq_grad_factor` of the elements per scale.
+
+  Args:
+    x: float32, float16 or bfloat16 input.
+    scale: float32, float16 or bfloat16 scale, learned; its shape picks the
+      granularity as in :func:`fake_quantize`.
+    zero_point: float zero point shaped like ``scale``, learned; rounded half
+      to even and clipped to the range in the forward pass.
+    dtype: an integer quantized dtype of at most 16 bits.
+    axis: the quantization axis for per-axis and blocked scales.
+    block_size: block length along ``axis`` for blocked scales, else 0.
+    narrow_range: use ``[q_min + 1, q_max]``.
+    grad_factor: multiplies the gradients of ``scale`` and ``zero_point``.
+
+  Returns:
+    An array like ``x`` (same shape and dtype).
+
+  Raises:
+    TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point`` or
+      ``dtype``, or a ``grad_factor`` that is not a number.
+    ValueError: if the shapes fit no granularity or ``axis`` / ``block_size``
+      are out of range.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([-4.0, 0.375, 2.5])  # x / scale: -16 (below), 1.5, 10 (above)
+    >>> loss = lambda scale: jq.fake_quantize_learnable(x, scale, 0.0, dtype=jnp.int4).sum()
+    >>> jax.grad(loss)(jnp.float32(0.25))  # -8 + (0.5 - 0.375) / 0.25 + 7
+    Array(-0.5, dtype=float32)
+  """
+  function = "fake_quantize_learnable"
+  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range, integer=True)
+  scale, zero_point = (
+      _learned_parameter(function, name, value)
+      for name, value in (("scale", scale), ("zero_point", zero_point))
+  )
+  _validate.check(
+      isinstance(grad_factor, (int, float, np.floating, np.integer))
+      and not isinstance(grad_factor, bool),
+      function, "grad_factor", "a Python float", repr(grad_factor), error=TypeError,
+  )
+  granularity = _granularity.resolve(
+      function, x.shape, scale.shape, zero_point.shape, axis=axis, block_size=block_size
+  )
+  quantizer = _Quantizer(info, _dtypes.compute_dtype(x.dtype), "lsq", float(grad_factor))
+  return _apply(x, scale, zero_point, granularity, quantizer)
+
+
+def _learned_parameter(function: str, argument: str, value: ArrayLike) -> jax.Array:
+  """A learned float parameter; a Python number is float32."""
+  value = jnp.asarray(value)
+  if value.weak_type:
+    value = value.astype(jnp.float32)
+  _validate.check(
+      value.dtype in _dtypes.OUTPUT_FLOAT_DTYPES, function, f"{argument}.dtype",
+      "a float dtype (float32, float16 or bfloat16; it is learned)", value.dtype.name,
+      error=TypeError,
+  )
+  return value
+
+
+@functools.partial(
+    jax.jit, static_argnames=("dtype", "axis", "block_size", "symmetric", "gradient")
+)
+def fake_quantize_dynamic(
+    x: ArrayLike,
+    *,
+    dtype: DTypeLike = jnp.int8,
+    axis: int | None = None,
+    block_size: int = 0,
+    symmetric: bool = False,
+    gradient: Literal["masked", "identity"] = "masked",
+) -> jax.Array:
+  r"""Fake quantization with a scale and zero point taken from x itself (activations).
+
+  .. math::
+
+    (q, s, z) = \mathrm{dynamic\_quantize\_linear}(x), \qquad
+    y = (q - z) \cdot s
+
+  bit for bit ``dequantize_linear(*dynamic_quantize_linear(x, ...))`` in x's
+  dtype: every batch is quantized with its own range, as at inference with
+  dynamic activation quantization. The gradient is straight through:
+  ``s`` and ``z`` are treated as constants (no gradient flows through the
+  min and max), and ``dy/dx`` is :func:`fake_quantize`'s ``gradient`` rule,
+  which is 1 for every finite element because the range covers all of x
+  (0 for NaN under ``"masked"``).
+
+  Args:
+    x: float32, float16 or bfloat16 input.
+    dtype: an integer quantized dtype of at most 16 bits.
+    axis: ``None`` for one scale for the tensor; ``k`` for one per index of
+      dimension k, or one per block with ``block_size``.
+    block_size: with ``axis``: one scale per ``block_size`` elements along it.
+    symmetric: zero point 0 and ``scale = max|x| / q_max`` (signed dtypes).
+    gradient: ``"masked"`` or ``"identity"``.
+
+  Returns:
+    An array like ``x`` (same shape and dtype).
+
+  Raises:
+    TypeError: if ``x`` is not a float array or ``dtype`` not an integer
+      quantized dtype of at most 16 bits.
+    ValueError: for ``symmetric=True`` with an unsigned dtype, ``axis`` /
+      ``block_size`` out of range, or an unknown ``gradient``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> jq.fake_quantize_dynamic(jnp.array([0.0, 2.0, -2.5, -3.0]), dtype=jnp.uint8)
+    Array([ 0.       ,  2.       , -2.4901962, -3.       ], dtype=float32)
+  """
+  function = "fake_quantize_dynamic"
+  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  dynamic = _dynamic.dynamic_range(
+      function, x.shape, dtype=dtype, axis=axis, block_size=block_size,
+      symmetric=symmetric,
+  )
+  _fake_quantized_dtype(function, dtype, narrow_range=False)
+  _validate.check(
+      gradient in ("masked", "identity"), function, "gradient",
+      "'masked' or 'identity'", repr(gradient),
+  )
+  scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
+  quantizer = _Quantizer(dynamic.info, _dtypes.compute_dtype(x.dtype), gradient)
+  return _apply(x, scale, zero_point, dynamic.granularity, quantizer)
+
+
+def lsq_grad_factor(elements_per_scale: int, *, dtype: DTypeLike = jnp.int8) -> float:
+  r"""LSQ's recommended ``grad_factor`` for :func:`fake_quantize_learnable`.
+
+  .. math::
+
+    f = \frac{1}{\sqrt{N \cdot q_{max}}}
+
+  where ``N`` is the number of elements sharing one scale (a layer's weight
+  count per tensor, ``x.size // scale.size`` per channel or block; the
+  features per example for activations) and ``q_max`` the dtype's maximum.
+  It keeps the scale's update in proportion to the weights' (Esser et al.
+  2019, section 2.2).
+
+  Args:
+    elements_per_scale: ``N``, a positive int.
+    dtype: the integer quantized dtype.
+
+  Returns:
+    The factor, a Python float.
+
+  Raises:
+    TypeError: if ``elements_per_scale`` is not an int, or ``dtype`` not an
+      integer quantized dtype.
+    ValueError: if ``elements_per_scale`` is not positive.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> round(jq.lsq_grad_factor(4 * 64, dtype=jnp.int4), 6)  # 1 / sqrt(256 * 7)
+    0.023623
+  """
+  function = "lsq_grad_factor"
+  elements = _validate.static_int(function, "elements_per_scale", elements_per_scale)
+  _validate.check(elements > 0, function, "elements_per_scale", "a positive int", elements)
+  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
+  return 1.0 / math.sqrt(elements * info.max)
