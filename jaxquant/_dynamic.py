@@ -44,8 +44,9 @@ def _max_magnitude(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
 ) -> tuple[jax.Array]:
   magnitude = jnp.abs(view.astype(_dtypes.compute_dtype(view.dtype)))
+  # initial=0: an empty x (or block) has max|x| = 0, hence scale 1 (SPEC §3).
   return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes,
-                  keepdims=keepdims),)
+                  keepdims=keepdims, initial=0),)
 
 
 def _asymmetric_parameters(low, high, *, info):

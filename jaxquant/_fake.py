@@ -66,7 +66,7 @@ def _forward(x, scale, zero_point, quantizer):
 
   The unclamped value is ``round(x / scale) + zero_point`` for integer dtypes
   and ``x / scale + zero_point`` rounded to the dtype's significand (but not
-  its range) for float ones: the value that saturation would clamp.
+  its range) for float ones: the value that saturation clamps.
   """
   info = quantizer.info
   quotient = _linear.quotient_formula(x, scale, precision=quantizer.precision)
@@ -74,15 +74,18 @@ def _forward(x, scale, zero_point, quantizer):
   y = _linear.dequantize_formula(
       quantized, scale, zero_point, info=info, output_dtype=quotient.dtype
   )
-  shifted = quotient if zero_point is None else quotient + zero_point.astype(quotient.dtype)
+  # The order of round_and_saturate: integers round, then add the zero point
+  # (at a tie its parity would matter otherwise); floats add, then round.
   if info.is_integer:
-    unclamped = jnp.round(shifted)
-  else:
-    unclamped = lax.reduce_precision(
-        shifted, exponent_bits=jnp.finfo(quotient.dtype).nexp,
+    quotient = jnp.round(quotient)
+  if zero_point is not None:
+    quotient = quotient + zero_point.astype(quotient.dtype)
+  if not info.is_integer:
+    quotient = lax.reduce_precision(
+        quotient, exponent_bits=jnp.finfo(quotient.dtype).nexp,
         mantissa_bits=jnp.finfo(info.dtype).nmant,
     )
-  return y, unclamped
+  return y, quotient
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

@@ -650,3 +650,13 @@ def test_closed_over_constant_keeps_true_division():
   eager = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0)
   folded = jax.jit(lambda: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0))()
   np.testing.assert_array_equal(np.asarray(folded[0]), np.asarray(eager[0]))
+
+
+@pytest.mark.parametrize("axis", [None, 1])
+def test_empty_symmetric_gives_scale_one(axis):
+  # max|x| of nothing is 0: found by the fake_quantize_dynamic property test.
+  y, scale, zero_point = jq.dynamic_quantize_linear(
+      jnp.zeros((0, 3)), dtype=jnp.int8, symmetric=True, axis=axis)
+  assert y.shape == (0, 3)
+  np.testing.assert_array_equal(scale, np.ones(() if axis is None else 3))
+  np.testing.assert_array_equal(zero_point, np.zeros(() if axis is None else 3))

@@ -66,6 +66,7 @@ def _case(case_id, function, args, error, match, **static):
 
 dq, q = jq.dequantize_linear, jq.quantize_linear
 qa, dyn = jq.quantized_add, jq.dynamic_quantize_linear
+fq, fql, fqd = jq.fake_quantize, jq.fake_quantize_learnable, jq.fake_quantize_dynamic
 
 ERROR_CASES = [
     # --- unsupported dtypes -------------------------------------------------
@@ -373,6 +374,48 @@ ERROR_CASES = [
           (jnp.zeros(4, jnp.uint8), 1.0, jnp.int4(0)), TypeError,
           r"zero_point\.dtype must be uint4 \(the quantized dtype\), got int4\.",
           packed_shape=(2, 4), packed_dtype=jnp.uint4),
+    # --- fake quantization (SPEC §4) ----------------------------------------
+    _case("fq-x-int8", fq, (_int8(4), 1.0), TypeError,
+          r"x\.dtype must be a float dtype .*, got int8\."),
+    _case("fq-dtype-float32", fq, (_float32(4), 1.0), TypeError,
+          rf"dtype must be {QUANTIZED_DTYPES}, got float32\.", dtype=jnp.float32),
+    _case("fq-dtype-int32", fq, (_float32(4), 1.0), TypeError,
+          r"dtype must be a quantized dtype of at most 16 bits \(float32 cannot hold "
+          r"every 32-bit integer\), got int32\.", dtype=jnp.int32),
+    _case("fq-zero-point-dtype", fq, (_float32(4), 1.0, jnp.uint8(0)), TypeError,
+          r"zero_point\.dtype must be int8 \(the quantized dtype\), got uint8\."),
+    _case("fq-gradient", fq, (_float32(4), 1.0), ValueError,
+          r"gradient must be 'masked' or 'identity', got 'lsq'\.", gradient="lsq"),
+    _case("fq-narrow-range-float8", fq, (_float32(4), 1.0), ValueError,
+          r"narrow_range must be False for the float dtype float8_e4m3fn \(its range is "
+          r"symmetric\), got True\.", dtype=jnp.float8_e4m3fn, narrow_range=True),
+    _case("fq-narrow-range-string", fq, (_float32(4), 1.0), TypeError,
+          r"narrow_range must be a bool, got 'yes'\.", narrow_range="yes"),
+    _case("fq-scale-shape", fq, (_float32(2, 3), _float32(4)), ValueError,
+          r"scale\.shape must be \(3,\) for per-axis quantization along axis 1 .*"),
+    _case("fql-dtype-float8", fql, (_float32(4), 1.0, 0.0), TypeError,
+          r"dtype must be an integer quantized dtype, got float8_e4m3fn\.",
+          dtype=jnp.float8_e4m3fn),
+    _case("fql-zero-point-int8", fql, (_float32(4), 1.0, jnp.int8(0)), TypeError,
+          r"zero_point\.dtype must be a float dtype \(float32, float16 or bfloat16; it "
+          r"is learned\), got int8\."),
+    _case("fql-scale-e8m0", fql, (_float32(4), jnp.ones((), jnp.float8_e8m0fnu), 0.0),
+          TypeError, r"scale\.dtype must be a float dtype .*, got float8_e8m0fnu\."),
+    _case("fql-zero-point-shape", fql, (_float32(2, 3), _float32(3), _float32(2)),
+          ValueError, r"zero_point\.shape must be equal to scale\.shape \(3,\), got \(2,\)\."),
+    _case("fql-grad-factor-string", fql, (_float32(4), 1.0, 0.0), TypeError,
+          r"grad_factor must be a Python float, got 'lsq'\.", grad_factor="lsq"),
+    _case("fqd-dtype-float8", fqd, (_float32(4),), TypeError,
+          r"dtype must be an integer quantized dtype, got float8_e4m3fn\.",
+          dtype=jnp.float8_e4m3fn),
+    _case("fqd-dtype-int32", fqd, (_float32(4),), TypeError,
+          r"dtype must be a quantized dtype of at most 16 bits .*, got int32\.",
+          dtype=jnp.int32),
+    _case("fqd-symmetric-uint8", fqd, (_float32(4),), ValueError,
+          r"dtype must be a signed integer dtype when symmetric=True, got uint8\.",
+          dtype=jnp.uint8, symmetric=True),
+    _case("fqd-gradient", fqd, (_float32(4),), ValueError,
+          r"gradient must be 'masked' or 'identity', got None\.", gradient=None),
 ]
 
 assert len({case.id for case in ERROR_CASES}) == len(ERROR_CASES), "duplicate ids"

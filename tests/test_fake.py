@@ -1,0 +1,463 @@
+"""Fake quantization (SPEC §4): values, straight-through and LSQ gradients, transformations.
+
+Values are checked bit for bit against ``dequantize_linear(quantize_linear(x))``;
+gradients against the formulas of SPEC §4 evaluated in NumPy, element by
+element, with each scale element's sum taken by ``np.bincount``. PyTorch as
+an oracle is in ``test_fake_torch.py``.
+"""
+
+import functools
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jaxquant as jq
+from jaxquant import _dtypes
+from test_linear import assert_bits_equal
+from test_linear import expand_scale
+from test_linear import layouts
+
+INTEGER_DTYPES = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
+                  jnp.int16, jnp.uint16]
+FLOAT_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2,
+                jnp.float8_e5m2fnuz, jnp.float4_e2m1fn]
+INPUT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _info(dtype):
+  return _dtypes.quantized_dtype("test", "dtype", dtype)
+
+
+def _inputs(rng, x_shape, scale_shape, axis, block_size, dtype, input_dtype):
+  """x on rounding ties, their neighbours, range edges, NaN and +-inf; scale; zero point."""
+  info = _info(dtype)
+  scale = rng.uniform(0.05, 2, scale_shape).astype(np.float32)
+  # Powers of two keep quotients exact in every input dtype, so ties stay ties.
+  scale.reshape(-1)[::2] = 2.0 ** rng.integers(-3, 3, scale.size)[::2]
+  if info.is_integer:
+    low, high = max(info.min, -20), min(info.max, 20)
+    zero_point = rng.integers(low, high, scale_shape, endpoint=True).astype(info.dtype)
+    reach = info.max - info.min + 4
+  else:
+    zero_point = rng.choice([0.0, 1.0, -2.0], scale_shape).astype(info.dtype)
+    reach = 1.2 * info.max
+  full_scale = expand_scale(scale, x_shape, axis, block_size)
+  steps = rng.uniform(-reach, reach, x_shape)
+  steps = np.where(rng.random(x_shape) < 0.5, np.round(steps) + rng.choice(
+      [0.0, 0.5, -0.5, 0.49999997, 0.5000001], x_shape), steps)
+  with np.errstate(over="ignore"):  # float16 overflows to inf: fine, inf is an input too
+    x = (steps * full_scale).astype(input_dtype)
+  flat = x.reshape(-1)
+  flat[::11] = np.nan
+  flat[3::13] = np.inf
+  flat[5::17] = -np.inf
+  return x, scale, zero_point, full_scale
+
+
+def _reference(x, scale, zero_point, dtype, narrow_range, kwargs):
+  """The value SPEC §4 promises: dequantize(quantize(x)), the range narrowed by one."""
+  q = jq.quantize_linear(x, scale, zero_point, output_dtype=dtype, **kwargs)
+  if narrow_range:
+    q = jnp.maximum(q, jnp.asarray(_info(dtype).min + 1, q.dtype))
+  return jq.dequantize_linear(q, scale, zero_point, output_dtype=x.dtype, **kwargs)
+
+
+def _unclamped(x, full_scale, full_zero_point, dtype):
+  """round(x / scale) + zero_point in float64 (NumPy divides float32 exactly once).
+
+  Integers round before the zero point is added (ONNX's order: at a tie the
+  zero point's parity would otherwise matter); floats add, then round.
+  """
+  quotient = (x.astype(np.float32) / full_scale).astype(np.float64)
+  if _info(dtype).is_integer:
+    quotient = np.rint(quotient)
+  return quotient + full_zero_point.astype(np.float64)
+
+
+def _in_range(x, full_scale, full_zero_point, dtype, narrow_range=False):
+  """SPEC §4's mask, written from the definition rather than from jaxquant's code."""
+  info = _info(dtype)
+  value = _unclamped(x, full_scale, full_zero_point, dtype)
+  if info.is_integer:
+    return (value >= info.min + narrow_range) & (value <= info.max)
+  # A float dtype's value is in range if it rounds (to nearest even, exponent
+  # unbounded) to at most max: below max + ulp/2, or on that tie when max's
+  # significand is even.
+  finfo = ml_dtypes.finfo(info.dtype)
+  largest = float(finfo.max)
+  ulp = 2.0 ** (np.floor(np.log2(largest)) - finfo.nmant)
+  max_is_even = (largest / ulp) % 2 == 0
+  magnitude = np.abs(value)
+  return (magnitude < largest + ulp / 2) | ((magnitude == largest + ulp / 2) & max_is_even)
+
+
+fake_layouts = layouts()
+
+# Every example compiles forward and backward programs for a fresh shape; a
+# third of the profile's examples (20 in CI, 333 under "thorough") for the
+# gradient properties keeps this file near half a minute on two cores.
+few = hypothesis.settings(max_examples=hypothesis.settings.default.max_examples // 3)
+
+
+@hypothesis.given(
+    layout=fake_layouts, dtype=st.sampled_from(INTEGER_DTYPES + FLOAT_DTYPES),
+    input_dtype=st.sampled_from(INPUT_DTYPES), narrow_range=st.booleans(),
+    with_zero_point=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+def test_value_is_dequantize_of_quantize(
+    layout, dtype, input_dtype, narrow_range, with_zero_point, seed
+):
+  x_shape, scale_shape, axis, block_size = layout
+  narrow_range = narrow_range and _info(dtype).is_integer
+  rng = np.random.default_rng(seed)
+  x, scale, zero_point, _ = _inputs(rng, x_shape, scale_shape, axis, block_size, dtype,
+                                    input_dtype)
+  kwargs = dict(axis=axis, block_size=block_size)
+  if not with_zero_point:
+    zero_point = None
+  y = jq.fake_quantize(x, scale, zero_point, dtype=dtype, narrow_range=narrow_range,
+                       **kwargs)
+  expected = _reference(x, scale, zero_point, dtype, narrow_range, kwargs)
+  assert_bits_equal(y, expected)
+
+
+@few
+@hypothesis.given(
+    layout=fake_layouts, dtype=st.sampled_from(INTEGER_DTYPES + FLOAT_DTYPES),
+    input_dtype=st.sampled_from(INPUT_DTYPES), narrow_range=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_masked_gradient_is_the_inclusive_range_mask(
+    layout, dtype, input_dtype, narrow_range, seed
+):
+  x_shape, scale_shape, axis, block_size = layout
+  narrow_range = narrow_range and _info(dtype).is_integer
+  rng = np.random.default_rng(seed)
+  x, scale, zero_point, full_scale = _inputs(rng, x_shape, scale_shape, axis, block_size,
+                                             dtype, input_dtype)
+  kwargs = dict(dtype=dtype, axis=axis, block_size=block_size, narrow_range=narrow_range)
+  upstream = rng.normal(size=x_shape).astype(input_dtype)
+  fake = functools.partial(jq.fake_quantize, **kwargs)
+  grad_x, grad_scale = jax.grad(
+      lambda x, scale: jnp.sum(upstream * fake(x, scale, zero_point)), argnums=(0, 1)
+  )(x, scale)
+  full_zero_point = expand_scale(zero_point, x_shape, axis, block_size)
+  mask = _in_range(x, full_scale, full_zero_point, dtype, narrow_range)
+  assert_bits_equal(grad_x, np.where(mask, upstream, 0).astype(input_dtype))
+  assert_bits_equal(grad_scale, np.zeros_like(scale))
+
+  identity = jax.grad(lambda x: jnp.sum(upstream * fake(x, scale, zero_point,
+                                                        gradient="identity")))(x)
+  assert_bits_equal(identity, upstream)
+
+
+def test_naive_rounding_has_zero_gradient_and_fake_quantize_does_not():
+  """SPEC §7: round -> astype(int) -> astype(float) trains nothing, silently."""
+  x = jnp.linspace(-2.0, 2.0, 41)
+  scale = 0.05
+
+  def naive(x):
+    q = jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8)
+    return jnp.sum(q.astype(jnp.float32) * scale)
+
+  assert not np.any(jax.grad(naive)(x))
+  grad = jax.grad(lambda x: jnp.sum(jq.fake_quantize(x, scale)))(x)
+  assert np.all(grad[jnp.abs(x) <= 127 * scale] == 1)
+
+
+def test_range_edges_pass_gradient_one_not_one_half():
+  scale = 0.5
+  edges = jnp.array([-128 * scale, 127 * scale])
+  clipped = jax.grad(lambda x: jnp.sum(jnp.clip(x / scale, -128, 127) * scale))(edges)
+  np.testing.assert_array_equal(clipped, [0.5, 0.5])  # why jnp.clip is not an STE
+  fake = jax.grad(lambda x: jnp.sum(jq.fake_quantize(x, scale)))(edges)
+  np.testing.assert_array_equal(fake, [1.0, 1.0])
+  # Inside the mask up to the last value that rounds into the range.
+  x = jnp.array([-128.5, -128.50002, 127.49999, 127.5]) * scale
+  np.testing.assert_array_equal(
+      jax.grad(lambda x: jnp.sum(jq.fake_quantize(x, scale)))(x), [1, 0, 1, 0])
+  narrow = jax.grad(lambda x: jnp.sum(jq.fake_quantize(x, scale, narrow_range=True)))
+  # -127.5 rounds (half to even) to -128: outside [-127, 127].
+  np.testing.assert_array_equal(
+      narrow(jnp.array([-127.0, -126.5, -127.5, -128.0]) * scale), [1, 1, 0, 0])
+
+
+# --- LSQ: fake_quantize_learnable -----------------------------------------------------
+
+
+def _lsq_reference(x, scale, zero_point, upstream, dtype, narrow_range, grad_factor,
+                   axis, block_size):
+  """SPEC §4's LSQ gradients, per element in float64, summed per scale element."""
+  info = _info(dtype)
+  low, high = info.min + narrow_range, info.max
+  rounded_zero_point = np.clip(np.rint(zero_point.astype(np.float64)), low, high)
+  full_scale = expand_scale(scale, x.shape, axis, block_size).astype(np.float64)
+  full_zero_point = expand_scale(rounded_zero_point, x.shape, axis, block_size)
+  index = expand_scale(np.arange(scale.size).reshape(scale.shape), x.shape, axis,
+                       block_size)
+  value = _unclamped(x, full_scale.astype(np.float32), full_zero_point, dtype)
+  below, above = value < low, value > high
+  inside = (value >= low) & (value <= high)
+  y = (np.clip(value, low, high) - full_zero_point) * full_scale
+  x64 = x.astype(np.float64)
+  with np.errstate(invalid="ignore"):
+    local_scale = np.where(inside, (y - x64) / full_scale, np.where(
+        below, low - full_zero_point, np.where(above, high - full_zero_point, 0)))
+  local_zero_point = np.where(below | above, -full_scale, 0)
+
+  def per_scale(local):
+    terms = (grad_factor * upstream.astype(np.float64) * local).reshape(-1)
+    return np.bincount(index.reshape(-1), terms, minlength=scale.size).reshape(scale.shape)
+
+  return np.where(inside, upstream, 0), per_scale(local_scale), per_scale(local_zero_point)
+
+
+@few
+@hypothesis.given(
+    layout=fake_layouts, dtype=st.sampled_from([jnp.int4, jnp.uint4, jnp.int8, jnp.uint8]),
+    narrow_range=st.booleans(), grad_factor=st.sampled_from([1.0, 0.03]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_learnable_gradients_match_lsq(layout, dtype, narrow_range, grad_factor, seed):
+  x_shape, scale_shape, axis, block_size = layout
+  rng = np.random.default_rng(seed)
+  x, scale, _, _ = _inputs(rng, x_shape, scale_shape, axis, block_size, dtype, np.float32)
+  info = _info(dtype)
+  # Learned zero points sit anywhere, also off the grid and outside the range.
+  zero_point = rng.uniform(info.min - 3, info.max + 3, scale_shape).astype(np.float32)
+  upstream = rng.normal(size=x_shape).astype(np.float32)
+  kwargs = dict(dtype=dtype, axis=axis, block_size=block_size, narrow_range=narrow_range)
+
+  def loss(x, scale, zero_point):
+    y = jq.fake_quantize_learnable(x, scale, zero_point, grad_factor=grad_factor, **kwargs)
+    return jnp.sum(upstream * y), y
+
+  (grad_x, grad_scale, grad_zero_point), y = jax.grad(
+      loss, argnums=(0, 1, 2), has_aux=True)(x, scale, zero_point)
+  rounded = np.clip(np.rint(zero_point), info.min + narrow_range, info.max)
+  assert_bits_equal(y, jq.fake_quantize(x, scale, rounded.astype(info.dtype), **kwargs))
+
+  expected_x, expected_scale, expected_zero_point = _lsq_reference(
+      x, scale, zero_point, upstream, dtype, narrow_range, grad_factor, axis, block_size)
+  assert_bits_equal(grad_x, expected_x.astype(np.float32))
+  # Sums of float32 terms: compare to the scale of the terms, not of the sum.
+  index_size = max(1, x.size // max(1, scale.size))
+  tolerance = 1e-5 * grad_factor * info.max * index_size * np.abs(upstream).max(initial=1)
+  np.testing.assert_allclose(grad_scale, expected_scale, rtol=1e-5, atol=tolerance)
+  np.testing.assert_allclose(grad_zero_point, expected_zero_point, rtol=1e-5,
+                             atol=tolerance * scale.max(initial=1))
+
+
+def test_learnable_nan_passes_no_gradient():
+  x = jnp.array([jnp.nan, 1.0, -300.0])
+  grads = jax.grad(lambda x, s, z: jnp.sum(jq.fake_quantize_learnable(x, s, z)),
+                   argnums=(0, 1, 2))(x, jnp.float32(1.0), jnp.float32(0.0))
+  np.testing.assert_array_equal(grads[0], [0, 1, 0])
+  assert float(grads[1]) == -128  # only -300 (below): qmin - 0
+  assert float(grads[2]) == -1
+
+
+def test_lsq_grad_factor():
+  assert jq.lsq_grad_factor(100, dtype=jnp.int8) == pytest.approx(1 / np.sqrt(12700))
+  assert jq.lsq_grad_factor(1, dtype=jnp.uint4) == pytest.approx(1 / np.sqrt(15))
+
+
+# --- dynamic fake quantization -------------------------------------------------------
+
+
+@st.composite
+def reduction_layouts(draw):
+  """(x shape, axis, block_size) for dynamic quantization: per tensor, axis, block."""
+  rank = draw(st.integers(0, 4))
+  x_shape = tuple(draw(st.lists(st.integers(0, 6), min_size=rank, max_size=rank)))
+  if rank == 0 or draw(st.booleans()):
+    return x_shape, None, 0
+  axis = draw(st.integers(-rank, rank - 1))
+  block_size = draw(st.sampled_from([0, 0, 1, 2, 4]))
+  return x_shape, axis, block_size
+
+
+@few
+@hypothesis.given(
+    layout=reduction_layouts(), dtype=st.sampled_from(INTEGER_DTYPES),
+    input_dtype=st.sampled_from(INPUT_DTYPES), symmetric=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dynamic_is_dequantize_of_dynamic_quantize(
+    layout, dtype, input_dtype, symmetric, seed
+):
+  x_shape, axis, block_size = layout
+  symmetric = symmetric and _info(dtype).min < 0
+  rng = np.random.default_rng(seed)
+  x = (rng.normal(0, 3, x_shape) + rng.choice([0.0, 5.0], x_shape)).astype(input_dtype)
+  x.reshape(-1)[::7] = np.nan
+  kwargs = dict(dtype=dtype, axis=axis, block_size=block_size, symmetric=symmetric)
+  upstream = rng.normal(size=x_shape).astype(input_dtype)
+
+  def loss(x):
+    y = jq.fake_quantize_dynamic(x, **kwargs)
+    return jnp.sum(upstream * y), y
+
+  grad, fake = jax.jit(jax.grad(loss, has_aux=True))(x)
+  q, scale, zero_point = jq.dynamic_quantize_linear(x, **kwargs)
+  dequantize_axis = 1 if axis is None else axis
+  expected = jq.dequantize_linear(q, scale, zero_point, axis=dequantize_axis,
+                                  block_size=block_size, output_dtype=x.dtype)
+  assert_bits_equal(fake, expected)
+  # The range covers x: every number passes gradient 1, NaN passes none, and
+  # nothing flows through the min and max (that would change finite entries).
+  assert_bits_equal(grad, np.where(np.isnan(x), 0, upstream).astype(input_dtype))
+
+
+# --- transformations -----------------------------------------------------------------
+
+
+CASES = {
+    "per-tensor": ((5, 7), (), {}),
+    "per-axis": ((5, 7), (7,), dict(axis=1)),
+    "blocked-ragged": ((5, 7), (5, 3), dict(axis=1, block_size=3)),
+    "broadcast-2d-blocks": ((6, 8), (3, 2), {}),
+}
+
+
+def _case(name, seed=0):
+  x_shape, scale_shape, kwargs = CASES[name]
+  rng = np.random.default_rng(seed)
+  x = rng.normal(0, 3, x_shape).astype(np.float32)
+  scale = rng.uniform(0.01, 0.04, scale_shape).astype(np.float32)
+  zero_point = rng.uniform(-10, 10, scale_shape).astype(np.float32)
+  return x, scale, zero_point, kwargs
+
+
+def _learnable_loss(x, scale, zero_point, kwargs):
+  y = jq.fake_quantize_learnable(x, scale, zero_point, grad_factor=0.1, **kwargs)
+  return jnp.sum(jnp.sin(y))
+
+
+class TransformationsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_jit_and_eager_agree(self):
+    for name in ("per-axis", "blocked-ragged"):  # op by op is slow: two layouts
+      x, scale, zero_point, kwargs = _case(name)
+      grad = self.variant(jax.grad(functools.partial(_learnable_loss, kwargs=kwargs),
+                                   argnums=(0, 1, 2)))
+      with jax.disable_jit():
+        eager = jax.grad(functools.partial(_learnable_loss, kwargs=kwargs),
+                         argnums=(0, 1, 2))(x, scale, zero_point)
+      # Eager and jitted code sum the scale's terms in different orders.
+      chex.assert_trees_all_close(grad(x, scale, zero_point), eager, rtol=1e-5, atol=1e-5)
+
+  def test_vmap_matches_a_loop(self):
+    for name in CASES:
+      batch = [_case(name, seed) for seed in range(3)]
+      kwargs = batch[0][3]
+      xs, scales, zero_points = (np.stack([b[i] for b in batch]) for i in range(3))
+      grad = jax.grad(functools.partial(_learnable_loss, kwargs=kwargs), argnums=(0, 1, 2))
+      mapped = jax.vmap(grad)(xs, scales, zero_points)
+      for i, (x, scale, zero_point, _) in enumerate(batch):
+        chex.assert_trees_all_close(jax.tree.map(lambda m: m[i], mapped),
+                                    grad(x, scale, zero_point), rtol=1e-6)
+      dynamic = jax.vmap(functools.partial(jq.fake_quantize_dynamic, axis=-1))(xs)
+      for i, x in enumerate(xs):
+        chex.assert_trees_all_equal(dynamic[i], jq.fake_quantize_dynamic(x, axis=-1))
+
+  def test_checkpoint_gives_the_same_gradients(self):
+    for name in CASES:
+      x, scale, zero_point, kwargs = _case(name)
+      loss = functools.partial(_learnable_loss, kwargs=kwargs)
+      grad = jax.grad(loss, argnums=(0, 1, 2))(x, scale, zero_point)
+      remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(x, scale, zero_point)
+      chex.assert_trees_all_close(remat, grad, rtol=1e-6)
+
+  def test_forward_mode_agrees_with_reverse_mode(self):
+    # A custom_jvp rule serves jvp and jacfwd too, which a custom_vjp would refuse.
+    x, scale, zero_point, kwargs = _case("per-axis")
+    loss = functools.partial(_learnable_loss, kwargs=kwargs)
+    forward = jax.jacfwd(loss, argnums=(0, 1, 2))(x, scale, zero_point)
+    reverse = jax.jacrev(loss, argnums=(0, 1, 2))(x, scale, zero_point)
+    chex.assert_trees_all_close(forward, reverse, rtol=1e-5, atol=1e-5)
+    tangent = jnp.ones_like(x)
+    _, jvp = jax.jvp(lambda x: jq.fake_quantize(x, 0.1), (x,), (tangent,))
+    np.testing.assert_array_equal(jvp, (np.abs(x) <= 12.75).astype(np.float32))
+
+  def test_retraces_only_for_new_static_options(self):
+    x, scale, zero_point, kwargs = _case("per-axis")
+    before = jq.fake_quantize_learnable._cache_size()
+    for seed in range(3):
+      jq.fake_quantize_learnable(*_case("per-axis", seed)[:3], **kwargs)
+    assert jq.fake_quantize_learnable._cache_size() == before + 1
+    jq.fake_quantize_learnable(x, scale, zero_point, grad_factor=0.5, **kwargs)
+    assert jq.fake_quantize_learnable._cache_size() == before + 2
+
+
+def test_optax_trains_weights_and_learnable_scales():
+  """A jitted optax step moves weights, scales and zero points, and the loss falls."""
+  rng = np.random.default_rng(0)
+  inputs = rng.normal(size=(256, 16)).astype(np.float32)
+  true_weights = rng.normal(size=(16, 4)).astype(np.float32)
+  targets = inputs @ true_weights
+  params = {
+      "weights": jnp.asarray(rng.normal(size=(16, 4)) * 0.1, jnp.float32),
+      "scale": jnp.full((2, 4), 0.05, jnp.float32),  # one scale per 8 inputs per output
+      "zero_point": jnp.zeros((2, 4), jnp.float32),
+  }
+  grad_factor = jq.lsq_grad_factor(8, dtype=jnp.int4)
+
+  def loss(params):
+    weights = jq.fake_quantize_learnable(
+        params["weights"], params["scale"], params["zero_point"], dtype=jnp.int4, axis=0,
+        block_size=8, grad_factor=grad_factor)
+    activations = jq.fake_quantize_dynamic(inputs, axis=0)
+    return jnp.mean((activations @ weights - targets) ** 2)
+
+  optimizer = optax.adam(0.05)
+
+  @jax.jit
+  def step(params, state):
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  state = optimizer.init(params)
+  start = params
+  losses = []
+  for _ in range(150):
+    params, state, value = step(params, state)
+    losses.append(float(value))
+  assert losses[-1] < 0.1 * losses[0], losses[::10]
+  for name in params:
+    assert not np.allclose(params[name], start[name]), name
+  # The learned int4 weights reproduce the trained model's fake-quant output.
+  weights = jq.fake_quantize_learnable(
+      params["weights"], params["scale"], params["zero_point"], dtype=jnp.int4, axis=0,
+      block_size=8)
+  q = jq.quantize_linear(params["weights"], params["scale"],
+                         jnp.clip(jnp.round(params["zero_point"]), -8, 7).astype(jnp.int4),
+                         axis=0, block_size=8)
+  assert_bits_equal(weights, jq.dequantize_linear(
+      q, params["scale"], jnp.clip(jnp.round(params["zero_point"]), -8, 7).astype(jnp.int4),
+      axis=0, block_size=8))
+
+
+def test_rank_eight_and_empty():
+  x = jnp.arange(2.0**8).reshape((2,) * 8) / 7 - 18
+  scale = jnp.full((2,) * 8, 0.25)
+  zero_point = jnp.zeros((2,) * 8, jnp.int8)
+  assert_bits_equal(jq.fake_quantize(x, scale, zero_point),
+                    jq.dequantize_linear(jq.quantize_linear(x, scale, zero_point),
+                                         scale, zero_point))
+  grad = jax.grad(lambda x: jnp.sum(jq.fake_quantize(x, 0.1, dtype=jnp.int4)))(x)
+  rounded = np.rint(np.asarray(x) / np.float32(0.1))
+  np.testing.assert_array_equal(grad, (rounded >= -8) & (rounded <= 7))
+  empty = jnp.zeros((0, 3))
+  assert jq.fake_quantize(empty, jnp.ones(3), axis=1).shape == (0, 3)
+  assert jax.grad(lambda s: jnp.sum(jq.fake_quantize_learnable(empty, s, 0.0)))(
+      jnp.float32(1)) == 0
