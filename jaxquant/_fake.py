@@ -58,6 +58,8 @@ class _Quantizer:
 
 def _rounded_zero_point(zero_point, info):
   """A learned float zero point as the integer the forward pass uses (PyTorch's rule)."""
+  if zero_point is None:
+    return None
   return jnp.clip(jnp.round(zero_point), info.min, info.max)
 
 
@@ -117,16 +119,16 @@ def _fake_quantize_jvp(quantizer, primals, tangents):
     # d(y)/d(scale) = (y - x) / scale and d(y)/d(zero_point) = 0; clamped to
     # q (qmin or qmax), y = (q - zero_point) * scale.
     wide = y.dtype
-    scale, zero_point = scale.astype(wide), zero_point.astype(wide)
+    scale = scale.astype(wide)
+    offset = 0 if zero_point is None else zero_point.astype(wide)
     d_scale = jnp.where(
         inside, (y - x.astype(wide)) / scale,
-        jnp.where(below, info.min - zero_point, jnp.where(above, info.max - zero_point, 0)),
+        jnp.where(below, info.min - offset, jnp.where(above, info.max - offset, 0)),
     )
-    d_zero_point = jnp.where(below | above, -scale, 0)
-    parameters_dot = quantizer.grad_factor * (
-        d_scale * scale_dot.astype(wide) + d_zero_point * zero_point_dot.astype(wide)
-    )
-    y_dot = y_dot + parameters_dot.astype(y_dot.dtype)
+    parameters_dot = d_scale * scale_dot.astype(wide)
+    if zero_point is not None:
+      parameters_dot += jnp.where(below | above, -scale, 0) * zero_point_dot.astype(wide)
+    y_dot = y_dot + (quantizer.grad_factor * parameters_dot).astype(y_dot.dtype)
   return y.astype(x.dtype), y_dot
 
 
@@ -254,7 +256,7 @@ def fake_quantize(
 def fake_quantize_learnable(
     x: ArrayLike,
     scale: ArrayLike,
-    zero_point: ArrayLike,
+    zero_point: ArrayLike | None = None,
     *,
     dtype: DTypeLike = jnp.int8,
     axis: int = 1,
@@ -292,14 +294,18 @@ def fake_quantize_learnable(
   extended to every granularity of :func:`fake_quantize`. The value equals
   :func:`fake_quantize` with the zero point ``z'``. NaN elements pass no
   gradient to anything. LSQ recommends ``grad_factor=``
-  :func:`lsq_grad_factor` of the elements per scale.
+  :func:`lsq_grad_factor` of the elements per scale (with Adam-like
+  optimizers, which normalise gradients, it matters little). Nothing keeps
+  a learned scale positive: a scale of 0 or below quantizes by SPEC §3's
+  rules, so clip it after each update if the learning rate is large.
 
   Args:
     x: float32, float16 or bfloat16 input.
     scale: float32, float16 or bfloat16 scale, learned; its shape picks the
       granularity as in :func:`fake_quantize`.
     zero_point: float zero point shaped like ``scale``, learned; rounded half
-      to even and clipped to the range in the forward pass.
+      to even and clipped to the range in the forward pass. ``None`` fixes it
+      at 0 (symmetric quantization, LSQ as published).
     dtype: an integer quantized dtype of at most 16 bits.
     axis: the quantization axis for per-axis and blocked scales.
     block_size: block length along ``axis`` for blocked scales, else 0.
@@ -327,17 +333,17 @@ def fake_quantize_learnable(
   function = "fake_quantize_learnable"
   x = _dtypes.float_input(function, "x", jnp.asarray(x))
   info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range, integer=True)
-  scale, zero_point = (
-      _learned_parameter(function, name, value)
-      for name, value in (("scale", scale), ("zero_point", zero_point))
-  )
+  scale = _learned_parameter(function, "scale", scale)
+  if zero_point is not None:
+    zero_point = _learned_parameter(function, "zero_point", zero_point)
   _validate.check(
       isinstance(grad_factor, (int, float, np.floating, np.integer))
       and not isinstance(grad_factor, bool),
       function, "grad_factor", "a Python float", repr(grad_factor), error=TypeError,
   )
   granularity = _granularity.resolve(
-      function, x.shape, scale.shape, zero_point.shape, axis=axis, block_size=block_size
+      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      axis=axis, block_size=block_size,
   )
   quantizer = _Quantizer(info, _dtypes.compute_dtype(x.dtype), "lsq", float(grad_factor))
   return _apply(x, scale, zero_point, granularity, quantizer)

@@ -255,6 +255,15 @@ def test_learnable_gradients_match_lsq(layout, dtype, narrow_range, grad_factor,
                              atol=tolerance * scale.max(initial=1))
 
 
+def test_learnable_without_zero_point_is_symmetric_lsq():
+  x, scale, _, kwargs = _case("blocked-ragged")
+  loss = lambda x, scale, zero_point: jnp.sum(jnp.sin(jq.fake_quantize_learnable(
+      x, scale, zero_point, dtype=jnp.int4, **kwargs)))
+  fixed = jax.grad(loss, argnums=(0, 1))(x, scale, None)
+  zero = jax.grad(loss, argnums=(0, 1))(x, scale, jnp.zeros_like(scale))
+  chex.assert_trees_all_equal(fixed, zero)
+
+
 def test_learnable_nan_passes_no_gradient():
   x = jnp.array([jnp.nan, 1.0, -300.0])
   grads = jax.grad(lambda x, s, z: jnp.sum(jq.fake_quantize_learnable(x, s, z)),
