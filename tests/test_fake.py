@@ -21,6 +21,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import _dtypes
 from test_linear import assert_bits_equal
+from test_linear import CASES
 from test_linear import expand_scale
 from test_linear import layouts
 
@@ -328,15 +329,8 @@ def test_dynamic_is_dequantize_of_dynamic_quantize(
 # --- transformations -----------------------------------------------------------------
 
 
-CASES = {
-    "per-tensor": ((5, 7), (), {}),
-    "per-axis": ((5, 7), (7,), dict(axis=1)),
-    "blocked-ragged": ((5, 7), (5, 3), dict(axis=1, block_size=3)),
-    "broadcast-2d-blocks": ((6, 8), (3, 2), {}),
-}
-
-
 def _case(name, seed=0):
+  """test_linear's layouts, with small scales and learned (float) zero points."""
   x_shape, scale_shape, kwargs = CASES[name]
   rng = np.random.default_rng(seed)
   x = rng.normal(0, 3, x_shape).astype(np.float32)
