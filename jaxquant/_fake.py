@@ -152,6 +152,14 @@ def _fake_quantized_dtype(
   return dataclasses.replace(info, min=info.min + 1)
 
 
+def _straight_through(function: str, gradient: object) -> None:
+  """Checks the ``gradient`` option of the straight-through ops."""
+  _validate.check(
+      gradient in ("masked", "identity"), function, "gradient",
+      "'masked' or 'identity'", repr(gradient),
+  )
+
+
 def _apply(x, scale, zero_point, granularity, quantizer):
   return _granularity.apply_blockwise(
       lambda x, scale, zero_point: _fake_quantize(x, scale, zero_point, quantizer),
@@ -237,10 +245,7 @@ def fake_quantize(
   scale = _dtypes.scale_array(function, "scale", scale)
   info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range)
   zero_point = _linear.zero_point_array(function, "zero_point", zero_point, info.dtype)
-  _validate.check(
-      gradient in ("masked", "identity"), function, "gradient",
-      "'masked' or 'identity'", repr(gradient),
-  )
+  _straight_through(function, gradient)
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
@@ -419,11 +424,8 @@ def fake_quantize_dynamic(
       function, x.shape, dtype=dtype, axis=axis, block_size=block_size,
       symmetric=symmetric,
   )
-  _fake_quantized_dtype(function, dtype, narrow_range=False)
-  _validate.check(
-      gradient in ("masked", "identity"), function, "gradient",
-      "'masked' or 'identity'", repr(gradient),
-  )
+  _fake_quantized_dtype(function, dtype, narrow_range=False)  # at most 16 bits
+  _straight_through(function, gradient)
   scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
   quantizer = _Quantizer(dynamic.info, _dtypes.compute_dtype(x.dtype), gradient)
   return _apply(x, scale, zero_point, dynamic.granularity, quantizer)
