@@ -8,22 +8,22 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_kernel_benchmark_runs_and_checks_bits():
-  # The script asserts that every kernel equals XLA bit for bit before timing.
+def _table_rows(script, *arguments, prefix):
+  """Runs a benchmark script at a tiny size; its markdown rows starting with ``prefix``."""
   result = subprocess.run(
-      [sys.executable, "benchmarks/kernels.py", "--elements", "16384", "--repeats", "1"],
+      [sys.executable, f"benchmarks/{script}", *arguments, "--repeats", "1"],
       cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
       env={**os.environ, "PYTHONPATH": str(ROOT)},
   )
-  rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-  assert len(rows) == 1 + 5, result.stdout
+  return [line for line in result.stdout.splitlines() if line.startswith(prefix)], result.stdout
+
+
+def test_kernel_benchmark_runs_and_checks_bits():
+  # The script asserts that every kernel equals XLA bit for bit before timing.
+  rows, output = _table_rows("kernels.py", "--elements", "16384", prefix="| ")
+  assert len(rows) == 1 + 5, output
 
 
 def test_fake_quant_benchmark_runs():
-  result = subprocess.run(
-      [sys.executable, "benchmarks/fake.py", "--sizes", "16384", "--repeats", "1"],
-      cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
-      env={**os.environ, "PYTHONPATH": str(ROOT)},
-  )
-  rows = [line for line in result.stdout.splitlines() if line.startswith("| fake")]
-  assert len(rows) == 3, result.stdout
+  rows, output = _table_rows("fake.py", "--sizes", "16384", prefix="| fake")
+  assert len(rows) == 3, output

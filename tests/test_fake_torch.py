@@ -299,11 +299,13 @@ def _inputs(rng, shape, scale, zero_point, qmin, qmax):
   return (steps * scale).astype(np.float32)
 
 
-def _broadcast_shape(ndim, axis):
-  """Where a per-channel parameter of ``axis`` goes when broadcast against x."""
-  shape = [1] * ndim
-  shape[axis] = -1
-  return shape
+def _broadcast(shape, axis, *parameters):
+  """Per-channel parameters of ``axis`` shaped to broadcast against x (per tensor: as given)."""
+  if axis is None:
+    return parameters
+  broadcast_shape = [1] * len(shape)
+  broadcast_shape[axis] = -1
+  return tuple(parameter.reshape(broadcast_shape) for parameter in parameters)
 
 
 def _assert_bits_equal(actual, expected, where=None, *, zero_sign=True):
@@ -349,10 +351,7 @@ def _masked_case(rng, shape, axis, name, narrow_range, scale_kind):
   zero_point = rng.integers(qmin, qmax + 1, size=channels)  # PyTorch needs it in range
   if per_tensor:
     scale, zero_point = scale[0], zero_point[0]
-    scale_b, zero_point_b = scale, zero_point
-  else:
-    scale_b = scale.reshape(_broadcast_shape(len(shape), axis))
-    zero_point_b = zero_point.reshape(scale_b.shape)
+  scale_b, zero_point_b = _broadcast(shape, axis, scale, zero_point)
   x = _inputs(rng, shape, scale_b, zero_point_b, qmin, qmax)
   predicted = _Predicted.of(x, scale_b, zero_point_b)
   inside = _inside(predicted.spec, qmin, qmax)
@@ -450,10 +449,7 @@ def _learnable_case(rng, shape, axis, name, narrow_range, scale_kind, grad_facto
   rounded = np.clip(np.rint(zero_point), qmin, qmax)
   if per_tensor:
     scale, zero_point, rounded = scale[0], zero_point[0], rounded[0]
-    scale_b, rounded_b = scale, rounded
-  else:
-    scale_b = scale.reshape(_broadcast_shape(len(shape), axis))
-    rounded_b = rounded.reshape(scale_b.shape)
+  scale_b, rounded_b = _broadcast(shape, axis, scale, rounded)
   x = _inputs(rng, shape, scale_b, rounded_b, qmin, qmax)
   predicted = _Predicted.of(x, scale_b, rounded_b)
   same_value = predicted.spec == predicted.torch
