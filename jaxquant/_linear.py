@@ -70,13 +70,6 @@ def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
   return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(output_dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "axis", "block_size", "output_dtype", "implementation", "packed_shape",
-        "packed_dtype",
-    ),
-)
 def dequantize_linear(
     x: ArrayLike,
     scale: ArrayLike,
@@ -120,8 +113,9 @@ def dequantize_linear(
     output_dtype: float32, float16 or bfloat16; default the scale's dtype
       (float32 for a float8_e8m0fnu scale).
     implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
-    packed_shape: the shape of the 4-bit array packed in ``x`` (a tuple), or
-      ``None`` when ``x`` is not packed.
+    packed_shape: the shape of the 4-bit array packed in ``x`` (a sequence of
+      ints: a tuple, a list, an ONNX ``TensorProto.dims``), or ``None`` when
+      ``x`` is not packed.
     packed_dtype: with ``packed_shape``: int4, uint4 or float4_e2m1fn.
 
   Returns:
@@ -129,7 +123,8 @@ def dequantize_linear(
 
   Raises:
     TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point`` or
-      ``output_dtype``.
+      ``output_dtype``, or a ``packed_shape`` that is not a sequence of
+      non-negative ints.
     ValueError: if the shapes fit no granularity, or ``axis``/``block_size`` are
       out of range.
 
@@ -139,11 +134,32 @@ def dequantize_linear(
     >>> jq.dequantize_linear(jnp.array([0, 3, 255], jnp.uint8), 0.5, 128)
     Array([-64. , -62.5,  63.5], dtype=float32)
   """
+  if packed_shape is not None:
+    # Shapes often arrive as lists or protobuf dims (ONNX's TensorProto.dims);
+    # jit's static arguments must hash, so the tuple is made here.
+    packed_shape = _validate.static_shape("dequantize_linear", "packed_shape", packed_shape)
+  return _dequantize_linear(
+      x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
+      implementation=implementation, packed_shape=packed_shape, packed_dtype=packed_dtype,
+  )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "axis", "block_size", "output_dtype", "implementation", "packed_shape",
+        "packed_dtype",
+    ),
+)
+def _dequantize_linear(
+    x, scale, zero_point, *, axis, block_size, output_dtype, implementation, packed_shape,
+    packed_dtype,
+):
   function = "dequantize_linear"
   x = jnp.asarray(x)
   shape = x.shape
   if packed_shape is not None:
-    shape = _validate.static_shape(function, "packed_shape", packed_shape)
+    shape = packed_shape
     x = _packing.packed_bytes(function, x, shape)
     dtype = _packing.four_bit_dtype(function, "packed_dtype", packed_dtype)
   else:

@@ -42,3 +42,16 @@ def test_unpack_onnx_bytes_and_dequantize():
   unpacked = jax.jit(jq.unpack_int4, static_argnums=(1, 2))(raw, (2, 3), jnp.int4)
   y = jq.dequantize_linear(unpacked, jnp.array([0.5, 2.0]), axis=0)
   np.testing.assert_array_equal(y, [[-4, 3.5, 0], [6, -2, 10]])
+
+
+def test_packed_shape_may_be_any_sequence_of_ints():
+  # ONNX hands shapes over as TensorProto.dims, a protobuf repeated field:
+  # neither a tuple nor hashable, which jit's static arguments require.
+  tensor = numpy_helper.from_array(np.array([[-8, 7, 0], [3, -1, 5]], ml_dtypes.int4))
+  raw = np.frombuffer(tensor.raw_data, np.uint8)
+  expected = jq.dequantize_linear(raw, 0.5, axis=0, packed_shape=(2, 3))
+  for shape in (tensor.dims, list(tensor.dims)):
+    np.testing.assert_array_equal(
+        jq.dequantize_linear(raw, 0.5, axis=0, packed_shape=shape), expected
+    )
+  np.testing.assert_array_equal(expected, [[-4, 3.5, 0], [1.5, -0.5, 2.5]])
