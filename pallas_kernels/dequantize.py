@@ -55,20 +55,57 @@ def dequantize(
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
 ) -> jax.Array:
-  """``formula(x, scale, zero_point)`` in one Pallas kernel.
+  r"""Dequantizes ``x`` with the caller's ``formula``, in one fused Pallas kernel.
+
+  .. math::
+
+    y_i = \mathrm{formula}\left(x_i, \mathrm{scale}_{\pi(i)},
+        \mathrm{zero\_point}_{\pi(i)}\right)
+
+  element-wise, where :math:`\pi(i)_d = i_d` along the dims where ``scale``
+  (and ``zero_point``) have x's size and 0 where they have size 1: the block
+  index maps read a size-1 dim through block index 0, so a per-channel or
+  per-block scale is loaded once per tile and never expanded in HBM.
+  jaxquant passes its ``dequantize_formula`` (:func:`jaxquant.dequantize_linear`
+  with ``implementation="pallas"``). With ``packed_dtype``, each byte of ``x``
+  is decoded in the kernel into two values, the even element from the low
+  nibble (ONNX order, :func:`jaxquant.pack_int4`).
 
   Args:
     x: quantized values; or, with ``packed_dtype``, uint8 bytes holding two
       4-bit values each along the last dim (which is half the output's).
     scale: same rank as x (as unpacked); each dim x's size or 1.
-    zero_point: like ``scale``, or ``None``.
-    formula: the element-wise dequantization.
+    zero_point: like ``scale``, or ``None`` (passed to ``formula`` as ``None``).
+    formula: the element-wise dequantization ``formula(x, scale, zero_point)``,
+      written in ``jnp``; it sees blocks of the operands, broadcast NumPy-style.
     output_dtype: what ``formula`` returns.
-    packed_dtype: int4, uint4 or float4_e2m1fn when ``x`` is packed.
-    backend, interpret, max_block: see ``_blockwise.elementwise``.
+    packed_dtype: int4, uint4 or float4_e2m1fn when ``x`` is packed; ``formula``
+      then sees x's values decoded to int32 (int4, uint4) or float32.
+    backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
+      when the call is lowered (interpret mode on CPU).
+    interpret: run in Pallas interpret mode on every platform.
+    max_block: caps on the tile's (rows, lanes); default per backend.
 
   Returns:
-    The dequantized array, shaped like the (unpacked) x.
+    The dequantized array of ``output_dtype``, shaped like the (unpacked) x.
+
+  Raises:
+    TypeError: from JAX (typically a reshape) for operands outside the
+      contract above. The kernel checks nothing itself: its caller,
+      :func:`jaxquant.dequantize_linear`, validates dtypes and shapes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(x, scale, zero_point):
+    ...   return (x.astype(jnp.float32) - zero_point.astype(jnp.float32)) * scale
+    >>> x = jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int8)
+    >>> scale = jnp.array([[0.5], [2.0]])  # one scale per row
+    >>> zero_point = jnp.array([[1], [4]], jnp.int8)
+    >>> pallas_kernels.dequantize(x, scale, zero_point, formula=formula,
+    ...                           output_dtype=jnp.float32, interpret=True)
+    Array([[-0.5,  0. ,  0.5,  1. ],
+           [ 0. ,  2. ,  4. ,  6. ]], dtype=float32)
   """
   packed = packed_dtype is not None
   (y,) = _blockwise.elementwise(
@@ -91,7 +128,43 @@ def dequantize_reference(
     output_dtype: np.dtype,
     packed_dtype: np.dtype | None = None,
 ) -> jax.Array:
-  """The pure-XLA twin of :func:`dequantize`."""
+  r"""The pure-XLA twin of :func:`dequantize`: the same result, without Pallas.
+
+  .. math::
+
+    y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
+
+  with NumPy broadcasting, cast to ``output_dtype``; packed bytes are unpacked
+  first by a bitcast to ``packed_dtype`` (low nibble first), which is the dtype
+  ``formula`` then sees. The kernel tests compare against it bit for bit.
+
+  Args:
+    x, scale, zero_point, formula, output_dtype, packed_dtype: as for
+      :func:`dequantize`.
+
+  Returns:
+    The dequantized array of ``output_dtype``, shaped like the (unpacked) x.
+
+  Raises:
+    ValueError: from ``jnp`` inside ``formula`` for shapes that do not
+      broadcast. Nothing is checked here: the caller validates.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(x, scale, zero_point):
+    ...   return x.astype(jnp.float32) * scale
+    >>> packed = jnp.array([[0x21, 0x43]], jnp.uint8)  # uint4 1, 2, 3, 4
+    >>> args = (packed, jnp.full((1, 1), 0.5), None)
+    >>> options = dict(formula=formula, output_dtype=jnp.float32,
+    ...                packed_dtype=jnp.uint4)
+    >>> y = pallas_kernels.dequantize_reference(*args, **options)
+    >>> y
+    Array([[0.5, 1. , 1.5, 2. ]], dtype=float32)
+    >>> bool(jnp.array_equal(
+    ...     y, pallas_kernels.dequantize(*args, **options, interpret=True)))
+    True
+  """
   if packed_dtype is not None:
     nibbles = lax.bitcast_convert_type(x, jnp.uint4)  # (..., n, 2): low nibble first
     x = lax.bitcast_convert_type(

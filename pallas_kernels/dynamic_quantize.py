@@ -31,22 +31,69 @@ def dynamic_quantize(
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Quantizes x with parameters computed from x, in two Pallas passes.
+  r"""Quantizes ``x`` with parameters computed from ``x``, in two Pallas passes.
+
+  .. math::
+
+    (\mathrm{scale}, \mathrm{zero\_point}) =
+        \mathrm{parameters}\left(\mathrm{reduction}(x, R)\right), \quad
+    y_i = \mathrm{formula}\left(x_i, \mathrm{scale}_{\pi(i)},
+        \mathrm{zero\_point}_{\pi(i)}\right)
+
+  where :math:`R` holds the dims with ``keep`` False and :math:`\pi(i)_d` is
+  :math:`i_d` along kept dims and 0 along reduced ones. The first kernel
+  reduces each tile to partial statistics, which ``reduction`` combines again
+  in XLA (so it must be associative); ``parameters`` runs in XLA; the second
+  pass is :func:`quantize`. x is read exactly twice, whatever the
+  granularity. jaxquant passes its NaN-ignoring min/max (or, symmetric, max
+  ``|x|``) reduction, the matching scale and zero point rule, and
+  ``quantize_formula`` (:func:`jaxquant.dynamic_quantize_linear` with
+  ``implementation="pallas"``).
 
   Args:
     x: the float input, in the caller's blocked view (ragged blocks padded
       with NaN, which the reduction must ignore).
     keep: per dim of x, whether parameters vary along it (else it is reduced).
     reduction: ``reduction(block, axes)``: associative statistics over ``axes``
-      with kept size-1 dims, ignoring NaN (e.g. the NaN-ignoring min and max).
+      with kept size-1 dims, ignoring NaN (e.g. the NaN-ignoring min and max);
+      tile padding also reads as NaN.
     parameters: ``(scale, zero_point)`` from the statistics (run in XLA).
     formula: ``formula(x, scale, zero_point)``, the element-wise quantization.
     output_dtype: what ``formula`` returns.
-    backend, interpret, max_block: see ``_blockwise.elementwise``.
+    backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
+      when the call is lowered (interpret mode on CPU).
+    interpret: run in Pallas interpret mode on every platform.
+    max_block: caps on the tile's (rows, lanes); default per backend.
 
   Returns:
-    ``(y, scale, zero_point)``; the parameters are shaped like x with the
-    reduced dims set to 1.
+    ``(y, scale, zero_point)``: ``y`` shaped like x in ``output_dtype``; the
+    parameters as ``parameters`` returns them, shaped like x with the reduced
+    dims set to 1.
+
+  Raises:
+    IndexError: from the layout code when ``keep`` is shorter than x's rank
+      (a longer one is not detected); other misuse fails inside JAX or the
+      callables. The kernels check nothing themselves: their caller,
+      :func:`jaxquant.dynamic_quantize_linear`, validates.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def reduction(x, axes):  # the NaN-ignoring max |x|
+    ...   return (jnp.nanmax(jnp.abs(x), axes, keepdims=True),)
+    >>> def parameters(amax):  # symmetric int8
+    ...   return amax / 127, jnp.zeros(amax.shape, jnp.int8)
+    >>> def formula(x, scale, zero_point):
+    ...   q = jnp.round(x / scale) + zero_point
+    ...   return jnp.clip(q, -127, 127).astype(jnp.int8)
+    >>> x = jnp.array([[-127.0, 0.0, 63.5, 31.75], [254.0, -1.0, 3.0, -254.0]])
+    >>> y, scale, zero_point = pallas_kernels.dynamic_quantize(
+    ...     x, (True, False), reduction=reduction, parameters=parameters,
+    ...     formula=formula, output_dtype=jnp.int8, interpret=True)
+    >>> y, scale  # one scale per row
+    (Array([[-127,    0,   64,   32],
+           [ 127,    0,    2, -127]], dtype=int8), Array([[1.],
+           [2.]], dtype=float32))
   """
   statistics = _blockwise.reduce(
       reduction, x, keep, pad_value=np.nan,
@@ -70,7 +117,49 @@ def dynamic_quantize_reference(
     formula: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     output_dtype: np.dtype,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The pure-XLA twin of :func:`dynamic_quantize`."""
+  r"""The pure-XLA twin of :func:`dynamic_quantize`: the same results, without Pallas.
+
+  .. math::
+
+    (\mathrm{scale}, \mathrm{zero\_point}) =
+        \mathrm{parameters}\left(\mathrm{reduction}(x, R)\right), \quad
+    y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
+
+  with :math:`R` the dims where ``keep`` is False: one ``reduction`` over the
+  whole of x, then :func:`quantize_reference`. The kernel tests compare
+  against it bit for bit.
+
+  Args:
+    x, keep, reduction, parameters, formula, output_dtype: as for
+      :func:`dynamic_quantize`.
+
+  Returns:
+    ``(y, scale, zero_point)``, as for :func:`dynamic_quantize`.
+
+  Raises:
+    ValueError: from ``jnp`` when ``keep`` is longer than x's rank (an axis
+      out of range; a shorter one is not detected). Nothing is checked here:
+      the caller validates.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> options = dict(
+    ...     reduction=lambda x, axes: (jnp.nanmax(jnp.abs(x), axes, keepdims=True),),
+    ...     parameters=lambda amax: (amax / 127, jnp.zeros(amax.shape, jnp.int8)),
+    ...     formula=lambda x, s, z: jnp.clip(jnp.round(x / s) + z, -127, 127
+    ...                                      ).astype(jnp.int8),
+    ...     output_dtype=jnp.int8)
+    >>> x = jnp.linspace(-127.0, 127.0, 128) * 2.0 ** jnp.arange(8.0)[:, None]
+    >>> expected = pallas_kernels.dynamic_quantize_reference(
+    ...     x, (True, False), **options)
+    >>> actual = pallas_kernels.dynamic_quantize(
+    ...     x, (True, False), **options, interpret=True)
+    >>> expected[1].ravel()  # one scale per row
+    Array([  1.,   2.,   4.,   8.,  16.,  32.,  64., 128.], dtype=float32)
+    >>> [bool(jnp.array_equal(e, a)) for e, a in zip(expected, actual)]
+    [True, True, True]
+  """
   axes = tuple(d for d, k in enumerate(keep) if not k)
   scale, zero_point = parameters(*reduction(x, axes))
   y = quantize.quantize_reference(

@@ -29,18 +29,56 @@ def quantize(
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
 ) -> jax.Array:
-  """``formula(x, scale, zero_point)`` in one Pallas kernel.
+  r"""Quantizes ``x`` with the caller's ``formula``, in one fused Pallas kernel.
+
+  .. math::
+
+    y_i = \mathrm{formula}\left(x_i, \mathrm{scale}_{\pi(i)},
+        \mathrm{zero\_point}_{\pi(i)}\right)
+
+  element-wise, where :math:`\pi(i)_d = i_d` along the dims where ``scale``
+  (and ``zero_point``) have x's size and 0 where they have size 1: the block
+  index maps read a size-1 dim through block index 0, so the parameters are
+  loaded once per tile and never expanded in HBM. jaxquant passes its
+  ``quantize_formula`` (:func:`jaxquant.quantize_linear` with
+  ``implementation="pallas"``). On Triton the formula's float32 division and
+  ``jnp.round`` are rewritten to the IEEE-exact forms XLA computes (division
+  rounded to nearest on CUDA, round half to even from ``floor``), so the
+  kernel can agree with :func:`quantize_reference` bit for bit.
 
   Args:
     x: the float input.
     scale: same rank as x; each dim x's size or 1.
-    zero_point: like ``scale``, or ``None``.
-    formula: the element-wise quantization, returning ``output_dtype``.
+    zero_point: like ``scale``, or ``None`` (passed to ``formula`` as ``None``).
+    formula: the element-wise quantization ``formula(x, scale, zero_point)``,
+      written in ``jnp`` and returning ``output_dtype``; it sees blocks of the
+      operands, broadcast NumPy-style.
     output_dtype: the quantized dtype.
-    backend, interpret, max_block: see ``_blockwise.elementwise``.
+    backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
+      when the call is lowered (interpret mode on CPU).
+    interpret: run in Pallas interpret mode on every platform.
+    max_block: caps on the tile's (rows, lanes); default per backend.
 
   Returns:
-    The quantized array, shaped like x.
+    The quantized array of ``output_dtype``, shaped like x.
+
+  Raises:
+    TypeError: from JAX (typically a reshape) for operands outside the
+      contract above. The kernel checks nothing itself: its caller,
+      :func:`jaxquant.quantize_linear`, validates dtypes and shapes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(x, scale, zero_point):
+    ...   q = jnp.round(x / scale) + zero_point  # ties to even
+    ...   return jnp.clip(q, -128, 127).astype(jnp.int8)
+    >>> x = jnp.array([[-0.75, -0.25, 0.25, 0.75], [1.25, 100.0, -100.0, 0.0]])
+    >>> scale, zero_point = jnp.full((1, 1), 0.5), jnp.zeros((1, 1), jnp.int8)
+    >>> pallas_kernels.quantize(x, scale, zero_point, formula=formula,
+    ...                         output_dtype=jnp.int8, interpret=True)
+    Array([[  -2,    0,    0,    2],
+           [   2,  127, -128,    0]], dtype=int8)
   """
   (y,) = _blockwise.elementwise(
       lambda *args: (formula(*args),), [x, scale, zero_point], [output_dtype],
@@ -57,5 +95,36 @@ def quantize_reference(
     formula: Formula,
     output_dtype: np.dtype,
 ) -> jax.Array:
-  """The pure-XLA twin of :func:`quantize`."""
+  r"""The pure-XLA twin of :func:`quantize`: the same result, without Pallas.
+
+  .. math::
+
+    y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
+
+  with NumPy broadcasting, cast to ``output_dtype``. The kernel tests compare
+  against it bit for bit.
+
+  Args:
+    x, scale, zero_point, formula, output_dtype: as for :func:`quantize`.
+
+  Returns:
+    The quantized array of ``output_dtype``, shaped like x.
+
+  Raises:
+    ValueError: from ``jnp`` inside ``formula`` for shapes that do not
+      broadcast. Nothing is checked here: the caller validates.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(x, scale, zero_point):
+    ...   return jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8)
+    >>> x = jnp.linspace(-80.0, 80.0, 8 * 128).reshape(8, 128)
+    >>> args = (x, jnp.full((8, 1), 0.5), None)  # one scale per row
+    >>> options = dict(formula=formula, output_dtype=jnp.int8)
+    >>> y = pallas_kernels.quantize_reference(*args, **options)
+    >>> bool(jnp.array_equal(
+    ...     y, pallas_kernels.quantize(*args, **options, interpret=True)))
+    True
+  """
   return formula(x, scale, zero_point).astype(output_dtype)

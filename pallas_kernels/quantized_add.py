@@ -36,17 +36,57 @@ def quantized_add(
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
 ) -> jax.Array:
-  """``formula(a, b, *parameters)`` over the broadcast of a and b, in one Pallas kernel.
+  r"""Adds quantized ``a`` and ``b`` by the caller's ``formula`` in one Pallas kernel.
+
+  .. math::
+
+    y_i = \mathrm{formula}\left(a_{\alpha(i)}, b_{\beta(i)}, p_1, \ldots, p_k\right)
+
+  element-wise over ``broadcast_shapes(a.shape, b.shape)``, where ``a`` and
+  ``b`` get leading size-1 dims up to the output's rank and
+  :math:`\alpha(i)_d = i_d` where a has the output's size along dim d and 0
+  where it has size 1 (likewise :math:`\beta` for b): the block index maps
+  broadcast, so neither operand is materialised at the output's shape. The
+  parameters :math:`p_j` ride along as one-element blocks. jaxquant passes
+  the dequantize-add-requantize formula of :func:`jaxquant.quantized_add`.
+  On Triton the formula's float32 division and ``jnp.round`` are rewritten
+  to IEEE-exact forms, as in :func:`quantize`.
 
   Args:
     a, b: quantized operands, broadcastable NumPy-style.
-    parameters: per-tensor scales and zero points (scalars or ``None``).
-    formula: the element-wise quantized add, returning ``output_dtype``.
+    parameters: per-tensor scales and zero points (scalars or ``None``),
+      passed to ``formula`` after ``a`` and ``b`` in this order.
+    formula: the element-wise quantized add ``formula(a, b, *parameters)``,
+      written in ``jnp`` and returning ``output_dtype``; it sees blocks of the
+      operands, broadcast NumPy-style.
     output_dtype: the result's dtype.
-    backend, interpret, max_block: see ``_blockwise.elementwise``.
+    backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
+      when the call is lowered (interpret mode on CPU).
+    interpret: run in Pallas interpret mode on every platform.
+    max_block: caps on the tile's (rows, lanes); default per backend.
 
   Returns:
-    The sum, shaped ``broadcast_shapes(a.shape, b.shape)``.
+    The sum of ``output_dtype``, shaped ``broadcast_shapes(a.shape, b.shape)``.
+
+  Raises:
+    TypeError: from JAX (typically a reshape) when a and b do not broadcast.
+      The kernel checks nothing itself (a non-scalar parameter may even pass
+      silently): its caller, :func:`jaxquant.quantized_add`, validates dtypes
+      and shapes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(a, b, a_scale, b_scale):
+    ...   total = jnp.round(a * a_scale + b * b_scale)  # ties to even
+    ...   return jnp.clip(total, -128, 127).astype(jnp.int8)
+    >>> a = jnp.array([[10], [100]], jnp.int8)
+    >>> b = jnp.array([0, 1, 2, 60], jnp.int8)
+    >>> parameters = [jnp.float32(1.0), jnp.float32(0.5)]
+    >>> pallas_kernels.quantized_add(a, b, parameters, formula=formula,
+    ...                              output_dtype=jnp.int8, interpret=True)
+    Array([[ 10,  10,  11,  40],
+           [100, 100, 101, 127]], dtype=int8)
   """
   rank = max(a.ndim, b.ndim)
   (y,) = _blockwise.elementwise(
@@ -66,6 +106,40 @@ def quantized_add_reference(
     formula: Formula,
     output_dtype: np.dtype,
 ) -> jax.Array:
-  """The pure-XLA twin of :func:`quantized_add`."""
+  r"""The pure-XLA twin of :func:`quantized_add`: the same result, without Pallas.
+
+  .. math::
+
+    y = \mathrm{formula}(a, b, p_1, \ldots, p_k)
+
+  with NumPy broadcasting, broadcast to ``broadcast_shapes(a.shape, b.shape)``
+  and cast to ``output_dtype``. The kernel tests compare against it bit for
+  bit.
+
+  Args:
+    a, b, parameters, formula, output_dtype: as for :func:`quantized_add`.
+
+  Returns:
+    The sum of ``output_dtype``, shaped ``broadcast_shapes(a.shape, b.shape)``.
+
+  Raises:
+    ValueError: from ``jnp`` when a and b do not broadcast. Nothing is
+      checked here: the caller validates.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pallas_kernels
+    >>> def formula(a, b, a_scale, b_scale):
+    ...   total = jnp.round(a * a_scale + b * b_scale)
+    ...   return jnp.clip(total, -128, 127).astype(jnp.int8)
+    >>> a = jnp.arange(-64, 64, dtype=jnp.int8)  # broadcast along the rows
+    >>> b = jnp.arange(-4, 4, dtype=jnp.int8).reshape(8, 1)
+    >>> args = (a, b, [jnp.float32(2.0), jnp.float32(8.0)])
+    >>> options = dict(formula=formula, output_dtype=jnp.int8)
+    >>> y = pallas_kernels.quantized_add_reference(*args, **options)
+    >>> y.shape, bool(jnp.array_equal(
+    ...     y, pallas_kernels.quantized_add(*args, **options, interpret=True)))
+    ((8, 128), True)
+  """
   shape = jnp.broadcast_shapes(a.shape, b.shape)
   return jnp.broadcast_to(formula(a, b, *parameters), shape).astype(output_dtype)
