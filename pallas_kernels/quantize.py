@@ -36,10 +36,8 @@ def quantize(
     y_i = \mathrm{formula}\left(x_i, \mathrm{scale}_{\pi(i)},
         \mathrm{zero\_point}_{\pi(i)}\right)
 
-  element-wise, where :math:`\pi(i)_d = i_d` along the dims where ``scale``
-  (and ``zero_point``) have x's size and 0 where they have size 1: the block
-  index maps read a size-1 dim through block index 0, so the parameters are
-  loaded once per tile and never expanded in HBM. jaxquant passes its
+  element-wise, the parameters read through the block index maps as in
+  :func:`pallas_kernels.dequantize` (never expanded in HBM). jaxquant passes its
   ``quantize_formula`` (:func:`jaxquant.quantize_linear` with
   ``implementation="pallas"``). On Triton the formula's float32 division and
   ``jnp.round`` are rewritten to the IEEE-exact forms XLA computes (division
