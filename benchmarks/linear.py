@@ -15,6 +15,7 @@ within a run, never absolute times across runs.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ import onnxruntime
 
 import jaxquant as jq
 from _timing import best_ms
+
+COLUMNS = 1024
 
 
 def _onnxruntime(op, x, scale, zero_point, axis, block_size):
@@ -61,6 +64,58 @@ def _expand(scale, kind):
   return scale.reshape(kind)
 
 
+def quantize_numpy(x, scale):
+  """The NumPy expression a user would write for int8 (not bit-exact: NaN, SPEC §7)."""
+  return np.clip(np.rint(x / scale), -128, 127).astype(np.int8)
+
+
+def dequantize_numpy(q, scale):
+  return q.astype(np.float32) * scale
+
+
+def peers(size, rng):
+  """The int8 cases of ``size`` elements, as ``(op, layout, {peer: zero-argument function})``.
+
+  ``op`` is ``"quantize"`` or ``"dequantize"``, ``layout`` one of
+  ``_layouts``; the peers are ``"jaxquant"``, ``"jnp"``, ``"numpy"`` and
+  ``"onnxruntime"``, all on the same data.
+  """
+  rows = size // COLUMNS
+  x = rng.standard_normal((rows, COLUMNS)).astype(np.float32)
+  for layout, scale, zero_point, kwargs, kind in _layouts(rows, COLUMNS, rng):
+    full_scale = _expand(scale, kind)
+    q = np.asarray(jq.quantize_linear(x, scale, zero_point, **kwargs))
+    # JAX users hold device arrays; a NumPy argument would add a copy per call.
+    x_j, q_j, zero_point_j = jnp.asarray(x), jnp.asarray(q), jnp.asarray(zero_point)
+    scale_j = jnp.asarray(scale)
+    # jnp broadcasts a scalar or a (1, columns) row itself; blocks are repeated in the jit.
+    scale_for_jnp = scale_j if kind in (None, "blocked") else jnp.asarray(full_scale)
+    # Bound as defaults: the generator's locals change before a caller may call.
+    repeat = kind == "blocked"
+
+    @jax.jit
+    def quantize_jnp(x, s, repeat=repeat):
+      s = jnp.repeat(s, 32, axis=1) if repeat else s
+      return jnp.clip(jnp.round(x / s), -128, 127).astype(jnp.int8)
+
+    @jax.jit
+    def dequantize_jnp(q, s, repeat=repeat):
+      return q.astype(jnp.float32) * (jnp.repeat(s, 32, axis=1) if repeat else s)
+
+    yield "quantize", layout, {
+        "jaxquant": functools.partial(jq.quantize_linear, x_j, scale_j, zero_point_j, **kwargs),
+        "jnp": functools.partial(quantize_jnp, x_j, scale_for_jnp),
+        "numpy": functools.partial(quantize_numpy, x, full_scale),
+        "onnxruntime": _onnxruntime("QuantizeLinear", x, scale, zero_point, **kwargs),
+    }
+    yield "dequantize", layout, {
+        "jaxquant": functools.partial(jq.dequantize_linear, q_j, scale_j, zero_point_j, **kwargs),
+        "jnp": functools.partial(dequantize_jnp, q_j, scale_for_jnp),
+        "numpy": functools.partial(dequantize_numpy, q, full_scale),
+        "onnxruntime": _onnxruntime("DequantizeLinear", q, scale, zero_point, **kwargs),
+    }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
@@ -71,38 +126,12 @@ def main():
   print(f"{'op':10} {'elements':>9} {'layout':11} {'jaxquant ms':>11} "
         f"{'vs jnp':>7} {'vs numpy':>8} {'vs onnxruntime':>14}")
   for size in args.sizes:
-    columns = 1024
-    rows = size // columns
-    x = rng.standard_normal((rows, columns)).astype(np.float32)
-    for layout, scale, zero_point, kwargs, kind in _layouts(rows, columns, rng):
-      full_scale = _expand(scale, kind)
-      q = np.asarray(jq.quantize_linear(x, scale, zero_point, **kwargs))
-      # JAX users hold device arrays; a NumPy argument would add a copy per call.
-      x_j, q_j, zero_point_j = jnp.asarray(x), jnp.asarray(q), jnp.asarray(zero_point)
-      scale_j, full_j = jnp.asarray(scale), jnp.asarray(full_scale)
-
-      quantize_jnp = jax.jit(lambda x, s: jnp.clip(jnp.round(
-          x / (jnp.repeat(s, 32, axis=1) if kind == "blocked" else s)), -128, 127).astype(jnp.int8))
-      dequantize_jnp = jax.jit(lambda q, s: q.astype(jnp.float32) * (
-          jnp.repeat(s, 32, axis=1) if kind == "blocked" else s))
-      scale_for_jnp = scale_j if kind in (None, "blocked") else full_j
-      cases = {
-          "quantize": (
-              lambda: jq.quantize_linear(x_j, scale_j, zero_point_j, **kwargs),
-              lambda: quantize_jnp(x_j, scale_for_jnp),
-              lambda: np.clip(np.rint(x / full_scale), -128, 127).astype(np.int8),
-              _onnxruntime("QuantizeLinear", x, scale, zero_point, **kwargs)),
-          "dequantize": (
-              lambda: jq.dequantize_linear(q_j, scale_j, zero_point_j, **kwargs),
-              lambda: dequantize_jnp(q_j, scale_for_jnp),
-              lambda: q.astype(np.float32) * full_scale,
-              _onnxruntime("DequantizeLinear", q, scale, zero_point, **kwargs)),
-      }
-      for op, (ours, *peers) in cases.items():
-        ours_ms = best_ms(ours, args.repeats)
-        ratios = [best_ms(peer, args.repeats) / ours_ms for peer in peers]
-        print(f"{op:10} {size:9d} {layout:11} {ours_ms:11.2f} "
-              f"{ratios[0]:7.2f} {ratios[1]:8.2f} {ratios[2]:14.2f}")
+    for op, layout, functions in peers(size, rng):
+      ours_ms = best_ms(functions["jaxquant"], args.repeats)
+      ratio = {peer: best_ms(function, args.repeats) / ours_ms
+               for peer, function in functions.items() if peer != "jaxquant"}
+      print(f"{op:10} {size:9d} {layout:11} {ours_ms:11.2f} "
+            f"{ratio['jnp']:7.2f} {ratio['numpy']:8.2f} {ratio['onnxruntime']:14.2f}")
 
 
 if __name__ == "__main__":
