@@ -222,7 +222,7 @@ def fake_quantized_forward(
 
 
 def quantize_model(params: Params, quantization: Quantization) -> Params:
-  """The model as it is deployed: integer weights (int8, int4 or int2 arrays), their scales, float biases."""
+  """The model as deployed: integer weights (int8, int4 or int2), their scales, float biases."""
   layers = []
   for layer in params:
     scale = weight_scale(layer, quantization)

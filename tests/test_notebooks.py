@@ -25,14 +25,10 @@ def test_every_notebook_is_here():
   assert names == PLOTTING | {"02_onnx_interop"}
 
 
-def _code_cells(notebook):
-  return [cell for cell in notebook.cells if cell.cell_type == "code"]
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_committed_notebook_was_executed_top_to_bottom(path):
   notebook = nbformat.read(path, as_version=4)
-  cells = _code_cells(notebook)
+  cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
   assert [cell.execution_count for cell in cells] == list(range(1, len(cells) + 1))
   outputs = [output for cell in cells for output in cell.outputs]
   assert not [output for output in outputs if output.output_type == "error"]
@@ -46,7 +42,8 @@ def test_notebook_runs_clean(path, monkeypatch):
   # The kernel inherits the environment: make this checkout importable even
   # where it was not pip-installed (it is, after the README's commands).
   root = str(NOTEBOOKS_DIR.parent)
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+  python_path = filter(None, [root, os.environ.get("PYTHONPATH")])
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(python_path))
   notebook = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(
       notebook, timeout=600, kernel_name="python3",
