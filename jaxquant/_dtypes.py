@@ -122,11 +122,15 @@ def quantized_dtype(
   return info
 
 
-def float_input(function: str, argument: str, x: jax.Array) -> jax.Array:
-  """Checks that the array ``x`` holds floats to quantize (float64 too, under x64)."""
+def float_input(function: str, argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
+  """Checks that the array ``x`` holds floats to quantize (float64 too, under x64).
+
+  ``also`` names the other dtypes the caller accepts, for the message.
+  """
   _validate.check(
       x.dtype in INPUT_FLOAT_DTYPES, function, f"{argument}.dtype",
-      "a float dtype (float32, float16 or bfloat16)", x.dtype.name, error=TypeError,
+      f"a float dtype (float32, float16 or bfloat16){' or ' + also if also else ''}",
+      x.dtype.name, error=TypeError,
   )
   return x
 
@@ -164,6 +168,40 @@ def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   # reduce_precision flushes the narrower type's subnormals; the cast keeps them.
   return x.astype(dtype).astype(x.dtype)
+
+
+def division_precision(scale_dtype: Any) -> np.dtype:
+  """The dtype ONNX divides in by default: the scale's (float32 for float8_e8m0fnu).
+
+  A float8_e8m0fnu scale is a power of two, so float32 divides by it exactly.
+  """
+  scale_dtype = np.dtype(scale_dtype)
+  return scale_dtype if scale_dtype in OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+
+
+def int32_to_float(x: jax.Array, dtype: np.dtype, precision: np.dtype) -> jax.Array:
+  """int32 ``x`` as float ``dtype``, rounded once (to nearest even) to ``precision``.
+
+  XLA converts int32 to a narrow float through float32, rounding twice, which
+  can land on a tie of the narrow type and break it the wrong way. Rounding to
+  float32 *to odd* first keeps the second rounding exact, as float32 has more
+  than ``p + 2`` significant bits for float16 and bfloat16 (Boldo and
+  Melquiond 2008).
+  """
+  wide = jnp.finfo(dtype)
+  if jnp.finfo(precision).nmant >= wide.nmant or wide.nmant >= 31:
+    # One rounding (float32 precision), or none (float64 holds every int32).
+    return round_to(x.astype(dtype), precision)
+  magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.uint32)  # |int32 min| fits uint32
+  bit_length = 32 - lax.clz(magnitude).astype(jnp.int32)
+  dropped = jnp.maximum(bit_length - (wide.nmant + 1), 0).astype(jnp.uint32)
+  kept = magnitude >> dropped
+  sticky = (magnitude & ((jnp.uint32(1) << dropped) - 1)) != 0
+  odd = kept | sticky.astype(jnp.uint32)
+  # 2**dropped built from its exponent bits: exact, unlike a library exp2.
+  power = lax.bitcast_convert_type((dropped + 127) << 23, jnp.float32)
+  value = odd.astype(jnp.float32) * power
+  return round_to(jnp.where(x < 0, -value, value), precision)
 
 
 def compute_dtype(*dtypes: Any) -> np.dtype:

@@ -43,7 +43,8 @@ class _Quantizer:
 
   Attributes:
     info: the quantized dtype, its range narrowed by ``narrow_range``.
-    precision: the float dtype of the division (float32, or float64 under x64).
+    precision: the dtype the division rounds to: the scale's, as in
+      ``quantize_linear`` (the dynamic scale's for ``fake_quantize_dynamic``).
     gradient: ``"masked"``: ``dy/dx`` is 1 where the unclamped quantized value
       lies in the range, else 0; ``"identity"``: 1 everywhere; ``"lsq"``:
       masked, plus LSQ's derivatives for a learned scale and float zero point.
@@ -250,7 +251,7 @@ def fake_quantize(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  quantizer = _Quantizer(info, _dtypes.compute_dtype(x.dtype), gradient)
+  quantizer = _Quantizer(info, _dtypes.division_precision(scale.dtype), gradient)
   return _apply(x, scale, zero_point, granularity, quantizer)
 
 
@@ -350,7 +351,9 @@ def fake_quantize_learnable(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  quantizer = _Quantizer(info, _dtypes.compute_dtype(x.dtype), "lsq", float(grad_factor))
+  quantizer = _Quantizer(
+      info, _dtypes.division_precision(scale.dtype), "lsq", float(grad_factor)
+  )
   return _apply(x, scale, zero_point, granularity, quantizer)
 
 

@@ -88,7 +88,8 @@ def resolve(
     function: the public op's name, for error messages.
     x_shape: shape of the quantized or float input.
     scale_shape: shape of the scale.
-    zero_point_shape: shape of the zero point, which must equal ``scale_shape``.
+    zero_point_shape: shape of the zero point, which must equal ``scale_shape``
+      (any two one-element shapes count as equal: both are per-tensor).
     axis: the quantization axis (used by per-axis and blocked layouts only).
     block_size: ``> 0`` for blocked quantization along ``axis``, else 0.
 
@@ -102,9 +103,13 @@ def resolve(
   rank = len(x_shape)
   block_size = _validate.block_size(function, block_size)
   if zero_point_shape is not None:
+    # A 0-d and a one-element parameter are both per-tensor, so ONNX models
+    # pair them freely (a () scale with a (1,) zero point).
     _validate.check(
-        tuple(zero_point_shape) == scale_shape, function, "zero_point.shape",
-        f"equal to scale.shape {scale_shape}", tuple(zero_point_shape),
+        tuple(zero_point_shape) == scale_shape
+        or math.prod(zero_point_shape) == math.prod(scale_shape) == 1,
+        function, "zero_point.shape", f"equal to scale.shape {scale_shape}",
+        tuple(zero_point_shape),
     )
 
   if math.prod(scale_shape) == 1:

@@ -193,13 +193,19 @@ def _dequantize_linear(
 
 
 def quotient_formula(x, scale, *, precision):
-  """``x / scale`` as quantization divides: in float32 (or wider), rounded to ``precision``."""
+  """``x / scale`` as quantization divides: x, scale and quotient rounded to ``precision``.
+
+  ``x`` is float, or int32 (requantized accumulators), rounded once to ``precision``.
+  """
   # A narrower precision is emulated: operands and quotient rounded to it,
   # the division itself done wider. For float16 and bfloat16 that is exact:
   # float32 has more than 2p + 2 significant bits, so the double rounding of
   # a quotient is innocuous (Figueroa 1995).
   accumulate = _dtypes.compute_dtype(x.dtype, precision)
-  x = _dtypes.round_to(x.astype(accumulate), precision)
+  if jnp.issubdtype(x.dtype, jnp.integer):
+    x = _dtypes.int32_to_float(x, accumulate, precision)
+  else:
+    x = _dtypes.round_to(x.astype(accumulate), precision)
   scale = _dtypes.round_to(scale.astype(accumulate), precision)
   return _dtypes.round_to(true_divide(x, scale), precision)
 
@@ -262,7 +268,10 @@ def quantize_linear(
         \left(\frac{x}{\mathrm{scale}}\right) + \mathrm{zero\_point}\right)
 
   The division is a true IEEE division (never a multiply by ``1/scale``) in
-  float32, or in ``precision``. Integer outputs saturate to the dtype's range:
+  the scale's dtype, as ONNX specifies, or in ``precision``: with a float16
+  scale, x is rounded to float16, divided, and the quotient rounded to float16
+  (float32 for a float8_e8m0fnu scale). int32 x (requantizing an integer
+  accumulator) is rounded once to that dtype. Integer outputs saturate to the dtype's range:
   NaN gives the minimum, +inf the maximum, -inf the minimum. Float8 outputs
   round to nearest even and, with ``saturate``, clip to the finite range (also
   +-inf); NaN stays NaN. float4_e2m1fn always saturates to +-6. Granularity as
@@ -272,7 +281,7 @@ def quantize_linear(
   through ``fake_quantize`` instead.
 
   Args:
-    x: float32, float16 or bfloat16 input.
+    x: float32, float16, bfloat16 or int32 input.
     scale: float32, float16, bfloat16 or float8_e8m0fnu scale.
     zero_point: the output's zero point, in the quantized dtype; ``None``
       means 0. A Python number takes the output dtype.
@@ -281,7 +290,8 @@ def quantize_linear(
     output_dtype: the quantized dtype when ``zero_point`` is ``None`` or a
       Python number; default uint8.
     saturate: float8 outputs only: clip instead of overflowing to NaN/inf.
-    precision: float dtype of the division (ONNX opset 23); default float32.
+    precision: float32, float16 or bfloat16: the dtype of the division (ONNX
+      opset 23); default the scale's dtype.
     implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
 
   Returns:
@@ -301,12 +311,14 @@ def quantize_linear(
     Array([ -2,   0,   2, 127], dtype=int8)
   """
   function = "quantize_linear"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  x = jnp.asarray(x)
+  if x.dtype != jnp.int32:
+    x = _dtypes.float_input(function, "x", x, also="int32")
   scale = _dtypes.scale_array(function, "scale", scale)
   saturate = _validate.static_bool(function, "saturate", saturate)
   info = quantized_output_dtype(function, zero_point, output_dtype)
   zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
-  precision = (_dtypes.compute_dtype(x.dtype) if precision is None
+  precision = (_dtypes.division_precision(scale.dtype) if precision is None
                else _dtypes.float_dtype(function, "precision", precision))
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,

@@ -76,11 +76,11 @@ ERROR_CASES = [
           rf"x\.dtype must be {QUANTIZED_DTYPES}, got float16\."),
     _case("dq-x-bool", dq, (jnp.zeros(4, bool), 1.0), TypeError,
           rf"x\.dtype must be {QUANTIZED_DTYPES}, got bool\."),
-    # int32 x is left out on purpose: ONNX QuantizeLinear (opset 19+) accepts
-    # it, SPEC §3 is silent, and jaxquant rejects it today; int8 and bool are
-    # outside ONNX's list as well.
+    # int32 x is accepted (ONNX opset 28 requantizes int32 accumulators); int8
+    # and bool are outside ONNX's list.
     _case("q-x-int8", q, (_int8(4), 1.0), TypeError,
-          r"x\.dtype must be a float dtype \(float32, float16 or bfloat16\), got int8\."),
+          r"x\.dtype must be a float dtype \(float32, float16 or bfloat16\) or int32, "
+          r"got int8\."),
     _case("q-x-bool", q, (jnp.zeros(4, bool), 1.0), TypeError,
           r"x\.dtype must be a float dtype .*, got bool\."),
     _case("q-x-complex64", q, (jnp.zeros(4, jnp.complex64), 1.0), TypeError,
@@ -125,9 +125,9 @@ ERROR_CASES = [
     _case("q-zero-point-shape", q, (_float32(2, 3), _float32(3), _int8(2)), ValueError,
           r"zero_point\.shape must be equal to scale\.shape \(3,\), got \(2,\)\.",
           axis=1),
-    # Per-tensor too: () and (1,) both mean one element, but must still agree.
-    _case("dq-zero-point-shape-per-tensor", dq, (_int8(2, 3), _float32(), _int8(1)),
-          ValueError, r"zero_point\.shape must be equal to scale\.shape \(\), got \(1,\)\."),
+    # A one-element zero point with a per-axis scale is no per-tensor pair.
+    _case("dq-zero-point-shape-per-tensor", dq, (_int8(2, 3), _float32(3), _int8(1)),
+          ValueError, r"zero_point\.shape must be equal to scale\.shape \(3,\), got \(1,\)\."),
     _case("q-zero-point-shape-blocked", q, (_float32(2, 4), _float32(2, 2), _int8(2, 1)),
           ValueError,
           r"zero_point\.shape must be equal to scale\.shape \(2, 2\), got \(2, 1\)\.",

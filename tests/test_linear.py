@@ -139,21 +139,86 @@ def test_division_is_true_division_under_jit(layout):
   assert_bits_equal(y, expected)
 
 
-def test_float16_input_divides_in_float32():
-  # Find float16 pairs whose float16 quotient rounds to a different integer
-  # than the float32 quotient: the double rounding SPEC §3 forbids.
+def test_onnx_example_divides_in_the_scale_dtype():
+  # ONNX QuantizeLinear: "The type of y_scale determines the precision of the
+  # division". onnxruntime 1.32.0 and onnx.reference 1.23.2 both give 22087
+  # (the float32 quotient would give 22082).
+  x = jnp.array([4640], jnp.float16)
+  for implementation in ("xla", "pallas"):
+    y = jq.quantize_linear(x, jnp.float16(0.1875), jnp.int16(-2665),
+                           implementation=implementation)
+    assert_bits_equal(y, np.array([22087], np.int16))
+
+
+@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16], ids=lambda d: d.__name__)
+def test_division_precision_follows_the_scale(narrow):
+  # Pairs whose quotient rounds to a different integer in the narrow dtype
+  # than in float32: the scale's dtype decides which one is right.
   rng = np.random.default_rng(2)
-  x = rng.uniform(-200, 200, 20000).astype(np.float16)
-  scale = np.float16(0.1)
-  in_float32 = np.rint(x.astype(np.float32) / np.float32(scale))
-  in_float16 = np.rint((x / scale).astype(np.float16).astype(np.float32))
-  assert np.any(in_float32 != in_float16)
-  expected = np.clip(in_float32, -32768, 32767).astype(np.int16)
-  y = jq.quantize_linear(x, scale, output_dtype=jnp.int16)
-  assert_bits_equal(y, expected)
-  # precision=float16 asks for the float16 division explicitly (ONNX opset 23).
-  y16 = jq.quantize_linear(x, scale, output_dtype=jnp.int16, precision=jnp.float16)
-  assert_bits_equal(y16, np.clip(in_float16, -32768, 32767).astype(np.int16))
+  x = rng.uniform(-200, 200, 20000).astype(np.float32)
+  scale = np.array(0.1, narrow)
+  in_float32 = np.rint(x / np.float32(scale))
+  in_narrow = np.rint(
+      (x.astype(narrow).astype(np.float32) / np.float32(scale)).astype(narrow).astype(np.float32)
+  )
+  assert np.any(in_float32 != in_narrow)
+  as_int16 = lambda q: np.clip(q, -32768, 32767).astype(np.int16)
+  # float32 x, narrow scale: x is rounded to the scale's dtype too.
+  assert_bits_equal(jq.quantize_linear(x, scale, output_dtype=jnp.int16), as_int16(in_narrow))
+  # precision= overrides the scale's dtype, either way.
+  assert_bits_equal(
+      jq.quantize_linear(x, scale, output_dtype=jnp.int16, precision=jnp.float32),
+      as_int16(in_float32))
+  assert_bits_equal(
+      jq.quantize_linear(x, np.float32(scale), output_dtype=jnp.int16, precision=narrow),
+      as_int16(in_narrow))
+  # fake_quantize divides as quantize_linear does.
+  fake = jq.fake_quantize(x, scale, dtype=jnp.int16)
+  assert_bits_equal(fake, (as_int16(in_narrow).astype(np.float32)
+                           * np.float32(scale)).astype(np.float32))
+
+
+def test_int32_input_requantizes_accumulators():
+  # An int32 accumulator is rounded once to the division's dtype, then divided.
+  x = np.array([300, 301, -5, 1_000_000_001, 2**31 - 1, -2**31, 7 * 2**24 + 3], np.int32)
+  scale = np.float32(2.0)
+  expected = np.clip(np.rint(x.astype(np.float64).astype(np.float32) / 2.0) + 10, 0, 255)
+  for implementation in ("xla", "pallas"):
+    y = jq.quantize_linear(x, scale, jnp.uint8(10), implementation=implementation)
+    assert_bits_equal(y, expected.astype(np.uint8))
+  y = jax.jit(lambda x: jq.quantize_linear(x, scale, output_dtype=jnp.int16))(x)
+  assert_bits_equal(y, np.clip(np.rint(x.astype(np.float32) / 2.0), -32768, 32767)
+                    .astype(np.int16))
+
+
+def test_int32_input_rounds_once_to_bfloat16():
+  # 2**25 + 2**17 + 1 is just above a bfloat16 tie; through float32 it lands
+  # on the tie (2**25 + 2**17) and ties-to-even rounds it down to 2**25.
+  x = np.array([2**25 + 2**17 + 1, -(2**25 + 2**17 + 1), 2**25 + 2**17], np.int32)
+  y = jq.quantize_linear(x, jnp.bfloat16(2.0**18), output_dtype=jnp.int16)
+  assert_bits_equal(y, np.array([129, -129, 128], np.int16))
+
+
+@pytest.mark.parametrize("scale_shape, zero_point_shape", [((), (1,)), ((1,), ()), ((1, 1), (1,))])
+def test_per_tensor_scale_and_zero_point_may_differ_in_rank(scale_shape, zero_point_shape):
+  # ONNX's own test models pair a 0-d scale with a (1,) zero point.
+  x = jnp.array([[-1.0, 0.25], [2.5, 100.0]])
+  scale = jnp.full(scale_shape, 0.5)
+  zero_point = jnp.full(zero_point_shape, 3, jnp.int8)
+  q = jq.quantize_linear(x, scale, zero_point)
+  assert_bits_equal(q, np.array([[1, 3], [8, 127]], np.int8))  # 0.5 ties to 0
+  assert_bits_equal(jq.quantize_linear(x, scale, zero_point, implementation="pallas"), q)
+  y = jq.dequantize_linear(q, scale, zero_point)
+  assert_bits_equal(y, np.array([[-1.0, 0.0], [2.5, 62.0]], np.float32))
+  assert_bits_equal(jq.dequantize_linear(q, scale, zero_point, implementation="pallas"), y)
+  assert_bits_equal(jq.fake_quantize(x, scale, zero_point), y)
+  learnable = jq.fake_quantize_learnable(x, scale, zero_point.astype(jnp.float32))
+  assert_bits_equal(learnable, y)
+  grads = jax.grad(lambda s, z: jq.fake_quantize_learnable(x, s, z).sum(), argnums=(0, 1))(
+      scale, zero_point.astype(jnp.float32))
+  assert grads[0].shape == scale_shape and grads[1].shape == zero_point_shape
+  added = jq.quantized_add(q, scale, zero_point, q, scale, zero_point, scale, zero_point)
+  assert added.dtype == jnp.int8
 
 
 def test_output_dtype_resolution():
