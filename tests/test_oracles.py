@@ -725,6 +725,26 @@ def test_onnx_example_divides_in_the_scale_dtype():
   np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point), [22087])
 
 
+@pytest.mark.parametrize("out", [F16, BF16], ids=lambda d: d.name)
+def test_dequantize_rounds_once_to_the_output_dtype(out):
+  # ONNX: the output type "also determines the precision of the
+  # multiplication". Both oracles form the product in float32 and round it
+  # once; in the output dtype, x - zp would be rounded first (2051 -> 2052 in
+  # float16) and the product again. jaxquant rounds once, as the oracles do.
+  # x - zp = 2051 (float16) and 259 (bfloat16) are not exact in the output dtype.
+  x = np.array([2048, 256, 32764, -32768, 4094, 30001, -2052], np.int16)
+  zero_point = np.array(-3, np.int16)
+  scale = np.array(1.5, out)
+  once = ((x.astype(np.float32) - np.float32(zero_point)) * np.float32(scale)).astype(out)
+  twice = (x.astype(np.int32) - zero_point).astype(out) * scale
+  assert not np.array_equal(once.astype(np.float32), twice.astype(np.float32))
+  inputs = {"x": x, "scale": scale, "zero_point": zero_point}
+  for oracle in ORACLES if out == F16 else [REFERENCE]:  # onnxruntime: no bfloat16
+    np.testing.assert_array_equal(_bits(_run(oracle, "DequantizeLinear", inputs, out)),
+                                  _bits(once))
+  np.testing.assert_array_equal(_bits(jq.dequantize_linear(x, scale, zero_point)), _bits(once))
+
+
 @pytest.mark.parametrize("scale_dtype", [F16, BF16], ids=lambda d: d.name)
 def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
   x = np.array([4640.3, 1000.1, 3.3], np.float32)
