@@ -1,8 +1,9 @@
-"""quantized_add: DirectML's quantized add, onnxruntime's QLinearAdd (SPEC §3).
+"""quantized_add: DirectML's quantized add, onnxruntime's QLinearAdd (docs/numerics.md).
 
 The oracles: onnxruntime's own QLinearAdd test vectors, onnxruntime's
 com.microsoft QLinearAdd kernel (which folds the output zero point in before
-rounding, so it may differ by one at ties), and the SPEC formula written out
+rounding, so it may differ by one at ties: A1 in docs/numerics.md, "Oracle
+deviations"), and the documented formula written out
 below in float32 NumPy for everything onnxruntime does not take (mixed and
 non-8-bit dtypes, non-finite scales).
 """
@@ -24,7 +25,7 @@ import jaxquant as jq
 import onnx_oracle
 from test_linear import assert_bits_equal
 
-CONFORMANCE = Path(__file__).parents[2] / "shared" / "conformance" / "qlinear_add_cases.json"
+CONFORMANCE = Path(__file__).resolve().parent / "data" / "qlinear_add_cases.json"
 EIGHT_BIT = [jnp.int8, jnp.uint8]
 
 
@@ -34,7 +35,7 @@ def _name(dtype):
 
 def reference_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale,
                   out_zero_point, out_dtype):
-  """SPEC §3 in float32 NumPy: round half to even, then add the output zero point."""
+  """The documented formula in float32 NumPy: round half to even, then add the output zero point."""
   info = jnp.iinfo(out_dtype)
   to_float = lambda q, scale, zero_point: (
       (np.asarray(q).astype(np.int64) - int(zero_point)).astype(np.float32)
@@ -171,7 +172,7 @@ def test_onnxruntime_ties_differ_by_exactly_one():
     assert np.count_nonzero(difference) > 100
 
 
-# --- dtypes (SPEC §3: a, b and the output may each be int8 or uint8, and more) ---------------
+# --- dtypes (a, b and the output may each be int8 or uint8, and more) -----------------------
 
 
 @pytest.mark.parametrize("a_dtype, b_dtype, out_dtype",
@@ -361,7 +362,7 @@ def test_jit_vmap_and_no_retrace():
   assert jq.quantized_add._cache_size() <= before + 1
 
 
-# --- errors (SPEC §5) -------------------------------------------------------------------------
+# --- errors ----------------------------------------------------------------------------------
 
 
 A = np.zeros((2, 3), np.int8)
@@ -410,7 +411,7 @@ def test_float8_operand(name, dtype):
 
 @pytest.mark.parametrize("name", ["a_zero_point", "b_zero_point"])
 def test_zero_point_dtype_mismatch(name):
-  # SPEC §5: the message names the argument, here which of the zero points.
+  # The message names the argument, here which of the zero points.
   with pytest.raises(TypeError, match=rf"quantized_add: {name}\.dtype must be int8.*got uint8"):
     _add(**{name: np.uint8(0)})
 
