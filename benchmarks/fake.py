@@ -8,7 +8,7 @@ point for the learnable op), jitted, on a (rows, 1024) float32 array. Peers,
 on the same data:
   * ``jnp``: the masked straight-through estimator a user writes by hand,
     ``where(mask, x - stop_gradient(x), 0) + stop_gradient(fake)`` with
-    ``x / scale`` and ``jnp.round``, jitted. Not bit-exact (SPEC §7: XLA
+    ``x / scale`` and ``jnp.round``, jitted. Not bit-exact (docs/numerics.md, "XLA traps": XLA
     turns the division into a multiply); only a speed bar.
   * ``torch``: PyTorch's CPU ``fake_quantize_per_tensor_affine``,
     ``fake_quantize_per_channel_affine`` and

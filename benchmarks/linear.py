@@ -4,7 +4,8 @@
 
 Peers, each on the same data and layout:
   * ``jnp``: the hand-rolled expression a user would write (``x / scale``,
-    repeat for blocks), jitted; it is not bit-exact (SPEC §7), only a speed bar.
+    repeat for blocks), jitted; it is not bit-exact (the reciprocal trap in
+    docs/numerics.md), only a speed bar.
   * ``numpy``: the same expression in NumPy.
   * ``onnxruntime``: its CPU QuantizeLinear / DequantizeLinear (opset 21).
 Reported: best-of-N milliseconds and jaxquant's speed-up over each peer
@@ -65,7 +66,7 @@ def _expand(scale, kind):
 
 
 def quantize_numpy(x, scale):
-  """The NumPy expression a user would write for int8 (not bit-exact: NaN, SPEC §7)."""
+  """The NumPy expression a user would write for int8 (not bit-exact: NaN becomes 0)."""
   return np.clip(np.rint(x / scale), -128, 127).astype(np.int8)
 
 

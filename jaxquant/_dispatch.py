@@ -1,4 +1,4 @@
-"""``implementation=``: which code path runs an op (SPEC §1)."""
+"""``implementation=``: which code path runs an op (all give the same bits)."""
 
 from __future__ import annotations
 

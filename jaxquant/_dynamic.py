@@ -1,4 +1,4 @@
-"""ONNX DynamicQuantizeLinear, per tensor, per axis and per block (SPEC §3)."""
+"""ONNX DynamicQuantizeLinear, per tensor, per axis and per block (docs/numerics.md)."""
 
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ def _max_magnitude(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
 ) -> tuple[jax.Array]:
   magnitude = jnp.abs(view.astype(_dtypes.compute_dtype(view.dtype)))
-  # initial=0: an empty x (or block) has max|x| = 0, hence scale 1 (SPEC §3).
+  # initial=0: an empty x (or block) has max|x| = 0, hence scale 1.
   return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes,
                   keepdims=keepdims, initial=0),)
 
 
 def _asymmetric_parameters(low, high, *, info):
-  """SPEC §3's scale and zero point from the range [min(0, lo), max(0, hi)]."""
+  """The scale and zero point from the range [min(0, lo), max(0, hi)]."""
   qmin, qmax = low.dtype.type(info.min), low.dtype.type(info.max)
   low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
   scale = jnp.where(
@@ -178,7 +178,7 @@ def dynamic_quantize_linear(
     block_size: with ``axis``: one scale per ``block_size`` elements along it
       (the scale then has x's rank, ``ceil(D / block_size)`` along ``axis``).
     symmetric: zero point 0, scale from ``max|x|``.
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+    implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
 
   Returns:
     ``(y, scale, zero_point)``: ``y`` like x in ``dtype``; ``scale`` float32 and

@@ -1,4 +1,4 @@
-"""DirectML's quantized add (DML_ELEMENT_WISE_QUANTIZED_LINEAR_ADD), SPEC §3."""
+"""DirectML's quantized add (DML_ELEMENT_WISE_QUANTIZED_LINEAR_ADD); docs/numerics.md."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def quantized_add(
     out_zero_point: per-tensor zero point of the output, or ``None`` for 0.
     output_dtype: output dtype when ``out_zero_point`` is ``None`` or a Python
       number; default a's dtype.
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+    implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
 
   Returns:
     ``broadcast_shapes(a.shape, b.shape)``-shaped array of out_zero_point's

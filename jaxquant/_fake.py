@@ -1,4 +1,4 @@
-"""Fake quantization for quantization-aware training (SPEC §4).
+"""Fake quantization for quantization-aware training (docs/numerics.md).
 
 Every op here is ``dequantize(quantize(x))`` from float to float, bit for bit
 the composition of :func:`quantize_linear` and :func:`dequantize_linear`, with
@@ -302,7 +302,7 @@ def fake_quantize_learnable(
   gradient to anything. LSQ recommends ``grad_factor=``
   :func:`lsq_grad_factor` of the elements per scale (with Adam-like
   optimizers, which normalise gradients, it matters little). Nothing keeps
-  a learned scale positive: a scale of 0 or below quantizes by SPEC §3's
+  a learned scale positive: a scale of 0 or below quantizes by the special-value
   rules, so clip it after each update if the learning rate is large.
 
   Args:

@@ -1,4 +1,4 @@
-"""The one scale-layout resolver (SPEC §2) and the block-wise application of a formula.
+"""The one scale-layout resolver and the block-wise application of a formula.
 
 :func:`resolve` turns the shape of ``scale`` (with ``axis`` and ``block_size``)
 into a :class:`Granularity`: the scale reshaped to x's rank, and how many x
@@ -30,7 +30,7 @@ class Granularity:
   """A resolved scale layout.
 
   Attributes:
-    kind: which row of SPEC §2 the scale matched.
+    kind: which row of the granularity table (docs/numerics.md) the scale matched.
     param_shape: the shape scale and zero point take to broadcast against x
       block by block (x's rank).
     block_shape: x elements covered by one scale element along each dimension;
@@ -82,7 +82,7 @@ def resolve(
     axis: int,
     block_size: int,
 ) -> Granularity:
-  """Resolves the layout of ``scale`` against ``x`` (SPEC §2), validating every shape.
+  """Resolves the layout of ``scale`` against ``x``, validating every shape.
 
   Args:
     function: the public op's name, for error messages.
@@ -344,7 +344,7 @@ def kernel_view(
     shape: Sequence[int] | None = None,
     pad_value: float = 0,
 ) -> KernelView:
-  """Lays x and its parameters out for a kernel (SPEC §2's blocks as broadcasts).
+  """Lays x and its parameters out for a kernel (the layout's blocks as broadcasts).
 
   A blocked or block-wise layout becomes a plain broadcast once each split
   dim is viewed as ``(blocks, block)``: the parameters then have size 1 along

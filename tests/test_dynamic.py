@@ -3,7 +3,9 @@
 uint8 per tensor is checked against onnxruntime and onnx.reference (neither
 written here). Everything ONNX has no operator for (int8, which is DirectML's,
 the other integer dtypes, per-axis, per-block and symmetric) is checked against
-the SPEC §3 formula written out below in float32 NumPy, one slice at a time.
+the documented formula (docs/numerics.md, "dynamic_quantize_linear") written out
+below in float32 NumPy, one slice at a time. The oracle deviations D1-D4 are listed
+there too.
 """
 
 import functools
@@ -37,11 +39,11 @@ def _name(dtype):
   return np.dtype(dtype).name
 
 
-# --- the SPEC §3 formula in float32 NumPy ------------------------------------------------
+# --- the documented formula in float32 NumPy --------------------------------------------
 
 
 def _reference_parameters(x, dtype, symmetric):
-  """(scale, zero_point) of one slice: SPEC §3, NaNs ignored."""
+  """(scale, zero_point) of one slice: the documented formula, NaNs ignored."""
   info = jnp.iinfo(dtype)
   qmin, qmax = np.float32(info.min), np.float32(info.max)
   x = np.asarray(x, np.float32).ravel()
@@ -70,7 +72,7 @@ def _reference_quantize(x, scale, zero_point, dtype):
 
 
 def reference_dynamic(x, dtype=jnp.uint8, axis=None, block_size=0, symmetric=False):
-  """(y, scale, zero_point) computed slice by slice, in the shapes SPEC §3 gives."""
+  """(y, scale, zero_point) computed slice by slice, in the documented shapes."""
   x = np.asarray(x, np.float32)
   if axis is None:
     scale, zero_point = _reference_parameters(x, dtype, symmetric)
@@ -214,7 +216,7 @@ def random_values(kind, shape, seed):
 
 
 def test_onnx_documentation_example():
-  # SPEC §7: a multiply by 1/scale gives 25 for -2.5 instead of 26.
+  # The reciprocal trap (docs/numerics.md): a multiply by 1/scale gives 25 for -2.5 instead of 26.
   x = np.array([0, 2, -3, -2.5, 1.34, 0.5], np.float32)
   expected = (np.array([153, 255, 0, 26, 221, 179], np.uint8), np.float32(0.0196078438),
               np.uint8(153))
@@ -246,7 +248,7 @@ def test_one_ulp_scales_match_onnxruntime():
     assert_outputs_equal(jq.dynamic_quantize_linear(x), run_onnxruntime(x))
 
 
-# --- degenerate inputs (SPEC §3) ------------------------------------------------------------
+# --- degenerate inputs ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=_name)
@@ -309,7 +311,7 @@ def test_infinities_other_dtypes(dtype):
 
 
 def test_onnx_reference_deviations():
-  """onnx.reference departs from SPEC §3 where onnxruntime does not; we follow SPEC.
+  """D1-D3: onnx.reference departs from the documented formula where onnxruntime does not.
 
   onnx/reference/ops/op_dynamic_quantize_linear.py: np.max / np.min propagate
   NaN and cannot reduce an empty array, and max == min leaves a range of 1
@@ -333,8 +335,8 @@ def test_onnxruntime_nan_deviation():
   """onnxruntime ignores a NaN in some positions and not in others.
 
   Its vectorised min/max (MLAS) drops a NaN at the front but keeps one at the
-  end of these 8 elements (also of 1000), and the scale becomes NaN. SPEC §3
-  ignores every NaN; jaxquant does, wherever it is.
+  end of these 8 elements (also of 1000), and the scale becomes NaN (D4). The
+  documented formula ignores every NaN; jaxquant does, wherever it is.
   """
   x = np.array([0.5, -1.0, 2.0, 0.25, -0.75, 1.5, 1.0, np.nan], np.float32)
   assert np.isnan(run_onnxruntime(x)[1])
@@ -369,7 +371,7 @@ def test_half_precision_x_is_quantized_in_float32(x_dtype):
                   seed=st.integers(0, 2**32 - 1))
 def test_integer_dtypes_match_spec_formula(dtype, shape, kind, seed):
   # No ONNX operator takes DynamicQuantizeLinear to int8 (DirectML's
-  # DML_OPERATOR_DYNAMIC_QUANTIZE_LINEAR does), so the oracle is SPEC's formula.
+  # DML_OPERATOR_DYNAMIC_QUANTIZE_LINEAR does), so the oracle is the documented formula.
   x = random_values(kind, shape, seed)
   assert_outputs_equal(jq.dynamic_quantize_linear(x, dtype=dtype), reference_dynamic(x, dtype))
 
@@ -398,7 +400,7 @@ def test_32bit_zero_point_saturates(dtype):
 
 @st.composite
 def granularities(draw):
-  """(x shape, axis, block_size, dtype, symmetric) over every layout SPEC §3 names."""
+  """(x shape, axis, block_size, dtype, symmetric) over every documented layout."""
   shape = draw(shapes(min_rank=1, max_rank=4))
   rank = len(shape)
   kind = draw(st.sampled_from(["per-tensor", "per-axis", "blocked"]))
@@ -458,7 +460,7 @@ def test_round_trip_within_half_a_step(layout, seed, magnitude):
 
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int4], ids=_name)
 def test_rank1_per_axis_round_trip(dtype):
-  # For rank-1 x a 1-D scale is the same-rank (element-wise) layout of SPEC §2.
+  # For rank-1 x a 1-D scale is the same-rank (element-wise) layout (docs/numerics.md).
   x = np.array([0.3, -1.7, 2.9, 0.0, -0.0, 5.5, -2.25], np.float32)
   y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, axis=0)
   assert scale.shape == zero_point.shape == (7,)
@@ -581,7 +583,7 @@ def test_jit_vmap_and_no_retrace():
   assert jq.dynamic_quantize_linear._cache_size() <= before + 1
 
 
-# --- errors (SPEC §5) -----------------------------------------------------------------------
+# --- errors --------------------------------------------------------------------------------
 
 
 X = np.ones((4, 6), np.float32)

@@ -1,4 +1,4 @@
-"""Bad arguments raise a ValueError or TypeError at trace time (SPEC §5).
+"""Bad arguments raise a ValueError or TypeError at trace time (docs/numerics.md, "Errors").
 
 Every error names the argument and what was expected, in the one format
 ``<function>: <argument> must be <expected>, got <actual>.``, and is raised
@@ -224,7 +224,8 @@ ERROR_CASES = [
     _case("dq-broadcast-scale-larger", dq, (_int8(2, 4), _float32(2, 8)), ValueError,
           r"scale\.shape must be block-wise broadcastable to x\.shape \(2, 4\) .*, "
           r"got \(2, 8\)\."),
-    # Rank-padded (SPEC §2 last row): (3, 2) left-padded to (1, 3, 2) vs x (2, 4, 4).
+    # Rank-padded (docs/numerics.md, "Granularity"): (3, 2) left-padded to (1, 3, 2)
+    # vs x (2, 4, 4).
     _case("dq-broadcast-rank-padded-not-dividing", dq, (_int8(2, 4, 4), _float32(3, 2)),
           ValueError,
           r"scale\.shape must be block-wise broadcastable to x\.shape \(2, 4, 4\) .*, "
@@ -374,7 +375,7 @@ ERROR_CASES = [
           (jnp.zeros(4, jnp.uint8), 1.0, jnp.int4(0)), TypeError,
           r"zero_point\.dtype must be uint4 \(the quantized dtype\), got int4\.",
           packed_shape=(2, 4), packed_dtype=jnp.uint4),
-    # --- fake quantization (SPEC §4) ----------------------------------------
+    # --- fake quantization --------------------------------------------------
     _case("fq-x-int8", fq, (_int8(4), 1.0), TypeError,
           r"x\.dtype must be a float dtype .*, got int8\."),
     _case("fq-dtype-float32", fq, (_float32(4), 1.0), TypeError,
@@ -461,8 +462,8 @@ def test_message_format(case):
 @pytest.mark.parametrize(
     "function, x, scale, zero_point, static, expected",
     [
-        # Per-tensor ignores axis (SPEC §2): the default axis=1 on a rank-0 x
-        # is out of range and must not matter.
+        # Per-tensor ignores axis (docs/numerics.md, "Granularity"): the default
+        # axis=1 on a rank-0 x is out of range and must not matter.
         (dq, jnp.int8(3), jnp.float32(2), jnp.int8(1), {}, np.float32(4)),
         (q, jnp.float32(5), jnp.float32(2), jnp.int8(1), {}, np.int8(3)),
         (dq, jnp.int8(3), 2.0, None, {"axis": -7}, np.float32(6)),
@@ -507,7 +508,7 @@ def test_block_size_at_range_edges_is_accepted(length, blocks, block_size):
   np.testing.assert_array_equal(y, expected)
 
 
-# --- float64 under x64: the SPEC's scale dtypes exclude it --------------------
+# --- float64 under x64: the documented scale dtypes exclude it --------------
 
 
 @pytest.mark.parametrize(

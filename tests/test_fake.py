@@ -1,9 +1,9 @@
-"""Fake quantization (SPEC §4): values, straight-through and LSQ gradients, transformations.
+"""Fake quantization: values, straight-through and LSQ gradients, transformations.
 
 Values are checked bit for bit against ``dequantize_linear(quantize_linear(x))``;
-gradients against the formulas of SPEC §4 evaluated in NumPy, element by
-element, with each scale element's sum taken by ``np.bincount``. PyTorch as
-an oracle is in ``test_fake_torch.py``.
+gradients against the formulas of docs/numerics.md ("Fake quantization and its
+gradients") evaluated in NumPy, element by element, with each scale element's
+sum taken by ``np.bincount``. PyTorch as an oracle is in ``test_fake_torch.py``.
 """
 
 import functools
@@ -63,7 +63,7 @@ def _inputs(rng, x_shape, scale_shape, axis, block_size, dtype, input_dtype):
 
 
 def _reference(x, scale, zero_point, dtype, narrow_range, kwargs):
-  """The value SPEC §4 promises: dequantize(quantize(x)), the range narrowed by one."""
+  """The value fake_quantize promises: dequantize(quantize(x)), the range narrowed by one."""
   q = jq.quantize_linear(x, scale, zero_point, output_dtype=dtype, **kwargs)
   if narrow_range:
     q = jnp.maximum(q, jnp.asarray(_info(dtype).min + 1, q.dtype))
@@ -83,7 +83,7 @@ def _unclamped(x, full_scale, full_zero_point, dtype):
 
 
 def _in_range(x, full_scale, full_zero_point, dtype, narrow_range=False):
-  """SPEC §4's mask, written from the definition rather than from jaxquant's code."""
+  """The documented mask, written from the definition rather than from jaxquant's code."""
   info = _info(dtype)
   value = _unclamped(x, full_scale, full_zero_point, dtype)
   if info.is_integer:
@@ -160,7 +160,7 @@ def test_masked_gradient_is_the_inclusive_range_mask(
 
 
 def test_naive_rounding_has_zero_gradient_and_fake_quantize_does_not():
-  """SPEC §7: round -> astype(int) -> astype(float) trains nothing, silently."""
+  """round -> astype(int) -> astype(float) trains nothing, silently (an XLA trap)."""
   x = jnp.linspace(-2.0, 2.0, 41)
   scale = 0.05
 
@@ -195,7 +195,7 @@ def test_range_edges_pass_gradient_one_not_one_half():
 
 def _lsq_reference(x, scale, zero_point, upstream, dtype, narrow_range, grad_factor,
                    axis, block_size):
-  """SPEC §4's LSQ gradients, per element in float64, summed per scale element."""
+  """The documented LSQ gradients, per element in float64, summed per scale element."""
   info = _info(dtype)
   low, high = info.min + narrow_range, info.max
   rounded_zero_point = np.clip(np.rint(zero_point.astype(np.float64)), low, high)

@@ -35,13 +35,15 @@ PyTorch: NumPy float32 predicts each library's integer (``_Predicted``), the
 cotangent is 0 there, so they add nothing to any gradient, and every test
 checks that each such element lies within ``_TIE_ULPS`` ulps of a rounding
 tie and that they are a minority. jaxquant is then run again with the full
-cotangent and checked on every element against a NumPy model of SPEC §4.
+cotangent and checked on every element against a NumPy model of the
+formulas in docs/numerics.md ("Fake quantization and its gradients").
 Each difference is pinned by its own test.
 
-PyTorch deviations (PyTorch 2.x CPU kernels; SPEC wins):
+PyTorch deviations (PyTorch 2.x CPU kernels; jaxquant keeps its documented
+formula; also listed in docs/numerics.md, "Oracle deviations"):
 
 T1. PyTorch computes ``x * (1 / s)``, jaxquant the float32 division ``x / s``
-    (SPEC §3, ONNX). With random scales their roundings differ near ties: for
+    (ONNX; docs/numerics.md). With random scales their roundings differ near ties: for
     ``x = float32(127.5 * s)``, s uniform in [0.01, 0.1), 18.6% of the
     quotients round to different integers, e.g. ``s = 0.048766974``, ``x =
     6.217789``: ``x / s`` is 127.5 in float32 (128 after rounding half to
@@ -64,7 +66,7 @@ T2. ``_fake_quantize_learnable_per_tensor_affine`` rounds the float zero point
 T3. Both learnable backward kernels (per tensor and per channel) classify and
     reconstruct ``x`` from ``nearbyint(zp + x * (1 / s))``, rounding after the
     zero point is added, while their forward rounds ``x * (1 / s)`` and then
-    adds it (and so do the non-learnable ops, forward and mask, and SPEC). At
+    adds it (and so do the non-learnable ops, forward and mask, and jaxquant). At
     a tie with an odd zero point the two differ by one, so PyTorch's learnable
     gradients are not those of its own forward value. int8, s = 1, zp = 1:
     x = 0.5: y = 0, PyTorch's in-range dscale (1 - 0.5) / 1 = +0.5, jaxquant's
@@ -202,7 +204,7 @@ class _Predicted:
   """Each library's pre-clamp integer per element, from NumPy float32 arithmetic.
 
   Attributes:
-    spec: ``round(x / s) + zp``: SPEC, jaxquant's forward value.
+    spec: ``round(x / s) + zp``: the documented formula, jaxquant's forward value.
     torch: ``round(x * (1 / s)) + zp``: PyTorch's forward and cachemask (T1).
     torch_learnable: ``round(zp + x * (1 / s))``: PyTorch's learnable backward
       (T3), with the sum rounded to float32 or, should the compiler contract it
@@ -377,7 +379,7 @@ def _masked_case(rng, shape, axis, name, narrow_range, scale_kind):
   )
   _assert_bits_equal(y, y_torch, where=same_value)
   _assert_bits_equal(dx, dx_torch, zero_sign=False)
-  # Everywhere, T1's elements included, jaxquant is SPEC's formula.
+  # Everywhere, T1's elements included, jaxquant is the documented formula.
   expected_y = (np.clip(predicted.spec, qmin, qmax) - zero_point_b) * scale_b
   _assert_bits_equal(y, expected_y.astype(np.float32))
   _, dx = jaxquant(cotangent)
@@ -476,7 +478,7 @@ def _learnable_case(rng, shape, axis, name, narrow_range, scale_kind, grad_facto
   _assert_bits_equal(dx, dx_torch, zero_sign=False)
   assert dscale.shape == dzero_point.shape == dscale_torch.shape == np.shape(scale)
 
-  # SPEC §4's terms in float64: a model for the elements PyTorch cannot check,
+  # The documented LSQ terms in float64: a model for the elements PyTorch cannot check,
   # the tolerance's scale, and proof that the comparison sees every branch.
   q = predicted.spec
   inside, below, above = _inside(q, qmin, qmax), q < qmin, q > qmax
@@ -496,7 +498,7 @@ def _learnable_case(rng, shape, axis, name, narrow_range, scale_kind, grad_facto
     )
   assert below[same].any() and above[same].any() and inside[same].any()
 
-  # Every element, T1's and T3's included: jaxquant is SPEC's formula.
+  # Every element, T1's and T3's included: jaxquant is the documented formula.
   y, dx, dscale, dzero_point = jaxquant(cotangent)
   _assert_bits_equal(y, expected_y.astype(np.float32))
   _assert_bits_equal(dx, np.where(inside, cotangent, np.float32(0)))
@@ -662,7 +664,7 @@ def test_t1_torch_multiplies_by_the_inverse_scale():
   # At the bound both values clamp to 127 steps, but only PyTorch passes dx.
   _assert_bits_equal(dx[0], np.array([0] * 5 + [1] * 5, np.float32))
   _assert_bits_equal(dx_torch[0], np.ones(10, np.float32))
-  # jaxquant's fake quantizer is its own quantize_linear (SPEC's division).
+  # jaxquant's fake quantizer is its own quantize_linear (a true division).
   q = jq.quantize_linear(x[None], scales, jnp.zeros(x.size, jnp.int8))
   np.testing.assert_array_equal(np.asarray(q[0], np.float64), by_division)
 
@@ -703,9 +705,9 @@ def test_t2_torch_per_tensor_learnable_rounds_zero_point_twice(zero_point, forwa
   assert not np.isclose(dscale_torch, gradients[1], rtol=1e-3)
 
 
-# int8, s = 1, zp = 1. SPEC: q = round(x) + 1; PyTorch's learnable backward
+# int8, s = 1, zp = 1. jaxquant: q = round(x) + 1; PyTorch's learnable backward
 # q' = nearbyint(x + 1). Per element: x, y, then (dx, dscale, dzero_point) of
-# jaxquant (SPEC) and of PyTorch.
+# jaxquant and of PyTorch.
 _T3_CASES = (
     # q = 0 + 1 = 1 in range; q' = 2: PyTorch's dscale (2 - 1 - 0.5) / 1.
     (0.5, 0.0, (1, -0.5, 0), (1, 0.5, 0)),
@@ -745,7 +747,7 @@ def test_t3_torch_learnable_backward_adds_zero_point_before_rounding(per_channel
 
 
 def test_mask_rounds_before_adding_the_zero_point():
-  # int8, s = 1, zp = 1. SPEC §4: q = round(x / s) + zp, dx = [-128 <= q <= 127]:
+  # int8, s = 1, zp = 1. jaxquant: q = round(x / s) + zp, dx = [-128 <= q <= 127]:
   # 126.5 -> 126 + 1 = 127 (in range, dx 1); -129.5 -> -130 + 1 = -129 (out, dx 0).
   # Adding first would flip both: round(127.5) = 128, round(-128.5) = -128.
   x = np.array([126.5, -129.5], np.float32)

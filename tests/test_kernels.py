@@ -47,7 +47,7 @@ few = hypothesis.settings(max_examples=hypothesis.settings.default.max_examples 
 
 @st.composite
 def layouts(draw, *, min_rank=0):
-  """(shape, scale shape, axis/block_size kwargs) over SPEC §2's rows, ragged blocks included."""
+  """(shape, scale shape, axis/block_size kwargs) over every granularity, ragged blocks included."""
   rank = draw(st.integers(min_rank, 4))
   shape = tuple(draw(st.lists(st.integers(1, 37), min_size=rank, max_size=rank)))
   kinds = ["per-tensor"] + (["per-axis", "blocked", "broadcast"] if rank else [])

@@ -1,4 +1,4 @@
-"""quantize_linear / dequantize_linear: SPEC §3 edge cases, transformations, tracing."""
+"""quantize_linear / dequantize_linear: docs/numerics.md edge cases, transformations, tracing."""
 
 import functools
 
@@ -28,7 +28,7 @@ def assert_bits_equal(actual, expected):
   """Equal dtypes, shapes and bits, so -0.0 != 0.0; NaN equals any NaN.
 
   IEEE leaves a NaN's sign and payload to the hardware (x86 makes 0 * inf a
-  negative NaN), and no SPEC rule depends on them.
+  negative NaN), and no rule of docs/numerics.md depends on them.
   """
   actual, expected = np.asarray(actual), np.asarray(expected)
   assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
@@ -42,7 +42,7 @@ def assert_bits_equal(actual, expected):
   np.testing.assert_array_equal(actual.view(unsigned)[~nan], expected.view(unsigned)[~nan])
 
 
-# --- quantize_linear: SPEC §3 special values -------------------------------------------
+# --- quantize_linear: special values (docs/numerics.md) --------------------------------
 
 
 @pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
@@ -289,7 +289,7 @@ def test_dequantize_float8_input_and_e8m0_scale():
 
 @st.composite
 def layouts(draw):
-  """(x shape, scale shape, axis, block_size) over every row of SPEC §2."""
+  """(x shape, scale shape, axis, block_size) over every row of docs/numerics.md, "Granularity"."""
   rank = draw(st.integers(0, 5))
   x_shape = tuple(draw(st.lists(st.integers(0, 5), min_size=rank, max_size=rank)))
   kind = draw(st.sampled_from(["per-tensor", "per-axis", "blocked", "broadcast"]))
@@ -313,7 +313,7 @@ def layouts(draw):
 
 
 def expand_scale(scale, x_shape, axis, block_size):
-  """The scale repeated out to x's shape: the slow, obvious reading of SPEC §2."""
+  """The scale repeated out to x's shape: the slow, obvious reading of the granularity table."""
   if scale.size == 1:
     return np.broadcast_to(scale.reshape(()), x_shape)
   if scale.ndim == 1 and len(x_shape) >= 2:

@@ -42,29 +42,31 @@ kernel for it), ``test_int32_input_matches_the_reference``.
 repeated with ``np.repeat`` to x's full shape and ONNX runs that blocked along
 axis 0 with ``block_size=1``, which is exactly a full-shape scale.
 
-Oracle deviations from SPEC.md (SPEC wins). Each has an explicit test below;
-the randomized tests compare the elements concerned with a NumPy model of
-SPEC §3 (``_spec_quantize``, ``_spec_dequantize``) instead of the oracle:
+Oracle deviations from jaxquant's documented numerics (docs/numerics.md wins,
+and its "Oracle deviations" table lists them all). Each has an explicit test
+below; the randomized tests compare the elements concerned with a NumPy model
+of docs/numerics.md (``_spec_quantize``, ``_spec_dequantize``) instead of the
+oracle:
 
 R1. onnx.reference QuantizeLinear to integers computes
     ``np.rint(x / scale).astype(int32) + zero_point`` in int32: +inf, NaN and
     |x/scale| >= 2**31 become INT32_MIN, then the zero point wraps around.
-    +inf -> qmin (SPEC: qmax); with a negative zero point NaN and -inf -> qmax
-    (SPEC: qmin).
+    +inf -> qmin (jaxquant: qmax); with a negative zero point NaN and -inf ->
+    qmax (jaxquant: qmin).
 R2. Resolved: it divides in the scale's type when x has that type too (ONNX:
     the scale's type sets the precision), which jaxquant now also does; it was
     a deviation while jaxquant divided in float32.
 R3. It ignores a float8 zero point in QuantizeLinear and refuses a nonzero one in
     DequantizeLinear (so does onnxruntime), and silently ignores a float4 zero
-    point in DequantizeLinear. SPEC applies the zero point for every dtype.
+    point in DequantizeLinear. jaxquant applies the zero point for every dtype.
 R4. int32 DequantizeLinear with a zero point computes ``float32(x) - zp`` in
     float64: no int32 wrap-around, x rounded to float32 first, and one rounding
     from float64 to a float16/bfloat16 output.
 R5. float4 QuantizeLinear with an explicit zero point +0 computes
-    ``-0.0 + 0.0 = +0.0``. SPEC's zero point 0 equals no zero point, which keeps
+    ``-0.0 + 0.0 = +0.0``. jaxquant's zero point 0 equals no zero point, which keeps
     -0.0 (as the reference itself does without one, and onnxruntime for float8).
 R6. float4 NaN (from NaN x, inf/inf, 0/0) -> +-0.0 (ml_dtypes' cast); ONNX's
-    float4 Cast table says +6, and so does jaxquant (SPEC §3 is silent on it).
+    float4 Cast table says +6, and so does jaxquant (docs/numerics.md).
 R7. float8 DequantizeLinear with an empty zero point raises (its zero check
     reduces an empty array); such cases give it no zero point.
 Onnxruntime deviations O1-O4 are in every release before 1.32.0 and fixed in
@@ -75,14 +77,14 @@ O1. onnxruntime's integer QuantizeLinear converts to int32 before clamping on
     some paths: float16 x (every integer dtype), int2/uint2 outputs, and blocked
     quantization along a non-innermost axis. There +inf and |x/scale| >= 2**31
     -> qmin, and the int32 zero point addition wraps (NaN and -inf -> qmax with
-    a negative zero point). Its other paths clamp in float, as SPEC does.
+    a negative zero point). Its other paths clamp in float, as jaxquant does.
 O2. int4/uint4 do the same for the unpaired last element of an odd-length
     tensor (a scalar tail path); paired elements are right.
 O3. The ``precision`` attribute is accepted and ignored: always float32.
 O4. Blocked QuantizeLinear of an empty x kills the process (SIGSEGV or SIGFPE),
     so empty blocked/broadcast quantize cases skip onnxruntime.
 O5. A one-element scale is read as per-tensor (1-D, then block_size is refused)
-    or per-axis (rank >= 2); SPEC calls it per-tensor too, so it is sent as ().
+    or per-axis (rank >= 2); jaxquant calls it per-tensor too, so it is sent as ().
 R8. With x and scale of different float dtypes it divides in NumPy's promoted
     dtype (float32 x, float16 scale: float32), where ONNX says the scale's
     dtype, as onnxruntime 1.32.0 and jaxquant do (onnx 1.23.2). The randomized
@@ -91,16 +93,17 @@ R9. int32 x: NumPy divides int32 by float32 in float64, so |x| > 2**24 is not
     rounded to float32 first, where ONNX's precision rule (the scale's
     float32) rounds it (onnx 1.23.2).
 O6. Non-saturating float8 QuantizeLinear (``saturate=0``) is wrong just above
-    the largest value: float8_e4m3fn |x/scale| in [480, 496) -> +-448 (SPEC:
-    NaN), float8_e5m2 in [61440, 65536) -> NaN (SPEC: +-inf).
+    the largest value: float8_e4m3fn |x/scale| in [480, 496) -> +-448
+    (jaxquant: NaN), float8_e5m2 in [61440, 65536) -> NaN (jaxquant: +-inf).
 N1. NaN sign: the oracles give -NaN where jaxquant gives +NaN for the fnuz
     NaN (0x80) dequantized, and for inf/inf or 0/0 (x86's default NaN is
     negative) through jaxquant's non-saturating float8 cast of a float16
-    quotient (``precision=float16``). SPEC asks only for NaN, so where both
+    quotient (``precision=float16``). The contract asks only for NaN, so where both
     sides are NaN float outputs compare NaN-ness, raw bits everywhere else.
 
 jaxquant bugs found here. The open one has strict-xfail tests asserting
-SPEC's value, and the randomized inputs steer clear of it:
+the IEEE value docs/numerics.md asks for, and the randomized inputs steer
+clear of it:
 
 J1. XLA on CPU flushes float32 subnormals (inputs and results) to zero:
     7e-45 / 1e-45 becomes 0 / 0 = NaN -> qmin instead of 5, and 3 * 1e-45
@@ -229,7 +232,7 @@ def _dequantize_supported(oracle, qdtype, scale_dtype, output_dtype) -> bool:
 
 
 # ----------------------------------------------------------------------------
-# SPEC §3 in NumPy: the expected value where an oracle deviates.
+# docs/numerics.md in NumPy: the expected value where an oracle deviates.
 
 
 def _quotient(x, scale, precision):
@@ -238,7 +241,7 @@ def _quotient(x, scale, precision):
 
 
 def _spec_quantize(quotient, zero_point, qdtype, saturate=True):
-  """SPEC's quantize of an exact quotient; zero_point full-shape float64 or None."""
+  """The documented quantize of an exact quotient; zero_point full-shape float64 or None."""
   if _is_integer(qdtype):
     info = ml_dtypes.iinfo(qdtype)
     y = np.rint(quotient)
@@ -276,12 +279,12 @@ def _int32_unsafe(quotient, zero_point):
 
 
 def _spec_dequantize(x, scale, zero_point, output_dtype):
-  """SPEC's dequantize, elementwise on full-shape operands."""
+  """The documented dequantize, elementwise on full-shape operands."""
   if _is_integer(x.dtype):
     wide = x.astype(np.int64)
     if zero_point is not None:
       wide = wide - zero_point.astype(np.int64)
-    # int32 inputs wrap around in their own width (SPEC §3).
+    # int32 inputs wrap around in their own width (docs/numerics.md).
     difference = wide.astype(np.int32).astype(np.float32)
   else:
     difference = x.astype(np.float32)
@@ -310,7 +313,7 @@ def _shapes(draw, min_rank=0, max_rank=8, max_size=512):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """One row of SPEC §2, as jaxquant takes it and as ONNX runs it.
+  """One granularity (docs/numerics.md), as jaxquant takes it and as ONNX runs it.
 
   Attributes:
     kind: one of LAYOUTS.
@@ -318,7 +321,7 @@ class Layout:
     scale_shape: the scale (and zero point) shape given to jaxquant.
     axis: jaxquant's axis (ONNX's too, except for "broadcast").
     block_size: jaxquant's block_size.
-    full: repeats a scale-shaped array to x's shape, as SPEC §2 defines.
+    full: repeats a scale-shaped array to x's shape, as the granularity table defines.
   """
 
   kind: str
@@ -350,7 +353,7 @@ class Layout:
       return param, {}
     if math.prod(self.scale_shape) == 1:
       # O5: onnxruntime reads any one-element scale as per-tensor, then refuses
-      # block_size, and takes only () or (1,) there: SPEC §2 calls it per-tensor too.
+      # block_size, and takes only () or (1,) there: jaxquant calls it per-tensor too.
       return None if param is None else param.reshape(()), {}
     if self.kind == "per-axis":
       return param, {"axis": self.axis}
@@ -427,7 +430,7 @@ def _grid(qdtype):
 
 
 def _quantize_inputs(rng, qdtype, x_dtype, scale_full, zero_point_full, special_rate):
-  """x near the rounding decisions of SPEC §3 for its element's scale."""
+  """x near quantize_linear's rounding decisions for its element's scale."""
   shape = scale_full.shape
   scale64 = scale_full.astype(np.float64)
   if _is_integer(qdtype):
@@ -509,7 +512,7 @@ def _assert_bits(actual, expected, *, context, inputs, deviating=None, spec=None
     want = np.where(deviating, _bits(spec), want)
   got = _bits(actual)
   if not _is_integer(actual.dtype) and actual.dtype != FLOAT4:
-    # SPEC asks for a NaN, not for its sign or payload (N1): NaN-ness only.
+    # The contract asks for a NaN, not for its sign or payload (N1): NaN-ness only.
     want_value = want.view(actual.dtype).astype(np.float32)
     both_nan = np.isnan(actual.astype(np.float32)) & np.isnan(want_value)
     if np.any(both_nan & (got != want)):
@@ -520,7 +523,7 @@ def _assert_bits(actual, expected, *, context, inputs, deviating=None, spec=None
     for index in map(tuple, np.argwhere(got != want)[:5]):
       values = ", ".join(
           f"{name}={value[index]!r}" for name, value in inputs.items() if value is not None)
-      source = "SPEC model" if deviating is not None and deviating[index] else "oracle"
+      source = "documented model" if deviating is not None and deviating[index] else "oracle"
       rows.append(f"  at {index}: {values}, jaxquant={actual[index]!r} (bits "
                   f"{got[index]:#x}), {source} bits {want[index]:#x}")
     pytest.fail(f"{context}: {np.count_nonzero(got != want)} of {got.size} differ\n"
@@ -841,7 +844,7 @@ def test_r4_reference_int32_dequantize_in_float():
   zero_point = np.array([-1, 1, 1], np.int32)
   scale = np.ones(3, np.float32)
   inputs = {"x": x, "scale": scale, "zero_point": zero_point}
-  # SPEC: the exact int32 difference, wrapping around as onnxruntime does.
+  # jaxquant: the exact int32 difference, wrapping around as onnxruntime does.
   spec = np.array([-(2.0**31), 16777216.0, 2.0**31 - 1], np.float32)
   np.testing.assert_array_equal(jq.dequantize_linear(x, scale, zero_point, axis=0), spec)
   np.testing.assert_array_equal(_run(ONNXRUNTIME, "DequantizeLinear", inputs, F32, axis=0), spec)
@@ -1037,7 +1040,7 @@ def test_output_dtype_attribute_reaches_the_oracles(oracle):
 
 # ----------------------------------------------------------------------------
 # jaxquant bugs the oracles found (module docstring). J1 is open: its tests
-# assert SPEC's value and fail until it is fixed; strict, so a fix must also
+# assert the documented value and fail until it is fixed; strict, so a fix must also
 # remove the marker. J2-J5 are fixed; their tests pin the fix.
 
 
@@ -1085,7 +1088,7 @@ _BOTH_OPS = pytest.mark.parametrize("function, x_dtype", [
 @_BOTH_OPS
 @pytest.mark.parametrize("x_shape, scale_shape", [((0, 3), (2, 3)), ((2, 0, 6), (5, 3))])
 def test_j3_empty_dim_with_a_longer_scale_dim(function, x_dtype, x_shape, scale_shape):
-  # SPEC §2: 0 is a multiple of 2 (and 5), so each scale element repeats 0 times.
+  # Block-wise broadcast: 0 is a multiple of 2 (and 5), so each scale element repeats 0 times.
   y = function(np.zeros(x_shape, x_dtype), np.ones(scale_shape, np.float32))
   assert y.shape == x_shape
 
@@ -1107,7 +1110,7 @@ def test_j4_float4_nan_is_six(saturate):
 @_BOTH_OPS
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_j5_blocked_empty_axis(function, x_dtype, block_size):
-  # SPEC §2: ceil(0 / block_size) == 0 blocks, so scale.shape[1] == 0 is the blocked layout.
+  # ceil(0 / block_size) == 0 blocks, so scale.shape[1] == 0 is the blocked layout.
   y = function(np.zeros((2, 0), x_dtype), np.ones((2, 0), np.float32), axis=1,
                block_size=block_size)
   assert y.shape == (2, 0)
