@@ -8,7 +8,9 @@ from jaxquant._fake import fake_quantize_learnable as fake_quantize_learnable
 from jaxquant._fake import lsq_grad_factor as lsq_grad_factor
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
+from jaxquant._packing import pack as pack
 from jaxquant._packing import pack_int4 as pack_int4
+from jaxquant._packing import unpack as unpack
 from jaxquant._packing import unpack_int4 as unpack_int4
 
 __version__ = "0.1.0"
@@ -20,8 +22,10 @@ __all__ = (
     "fake_quantize_dynamic",
     "fake_quantize_learnable",
     "lsq_grad_factor",
+    "pack",
     "pack_int4",
     "quantize_linear",
     "quantized_add",
+    "unpack",
     "unpack_int4",
 )

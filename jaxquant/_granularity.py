@@ -328,11 +328,17 @@ class KernelView:
     return y[tuple(slice(0, n) for n in self.shape)]
 
 
-def packable(granularity: Granularity, shape: Sequence[int]) -> bool:
-  """Whether packed 4-bit x can enter a kernel as bytes: no byte straddles a row or block."""
+def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: int) -> bool:
+  """Whether packed x can enter a kernel as bytes: no byte straddles a row or a block.
+
+  Bytes run along the last dim, ``elements_per_byte`` (``8 // bits``) elements
+  each, so the last dim, and the block when the last dim is split into blocks,
+  must be multiples of it.
+  """
   last = len(shape) - 1
-  return bool(shape) and shape[-1] % 2 == 0 and (
-      last not in granularity.split_dims or granularity.block_shape[-1] % 2 == 0
+  return bool(shape) and shape[-1] % elements_per_byte == 0 and (
+      last not in granularity.split_dims
+      or granularity.block_shape[-1] % elements_per_byte == 0
   )
 
 
@@ -342,6 +348,7 @@ def kernel_view(
     granularity: Granularity,
     *,
     shape: Sequence[int] | None = None,
+    elements_per_byte: int = 1,
     pad_value: float = 0,
 ) -> KernelView:
   """Lays x and its parameters out for a kernel (the layout's blocks as broadcasts).
@@ -352,20 +359,22 @@ def kernel_view(
   A short last block is padded with ``pad_value``.
 
   Args:
-    x: the input, of ``shape``; or packed 4-bit bytes (see :func:`packable`)
-      holding ``shape`` elements, two per byte along the last dim.
+    x: the input, of ``shape``; or, with ``elements_per_byte > 1``, packed
+      bytes (see :func:`packable`) holding ``shape`` elements, that many per
+      byte along the last dim.
     params: arrays with ``prod(granularity.param_shape)`` elements, or ``None``.
     granularity: from :func:`resolve` or :func:`for_reduction`.
     shape: the logical shape of x; default ``x.shape``.
+    elements_per_byte: ``8 // bits`` for packed sub-byte x, else 1.
     pad_value: what the padding of a short last block holds.
 
   Returns:
     The :class:`KernelView`.
   """
   shape = tuple(x.shape if shape is None else shape)
-  packed = tuple(x.shape) != shape
-  if packed:
-    x = x.reshape(shape[:-1] + (shape[-1] // 2,))
+  per_byte = elements_per_byte
+  if per_byte > 1:
+    x = x.reshape(shape[:-1] + (shape[-1] // per_byte,))
   split = granularity.split_dims
   padded = tuple(
       granularity.param_shape[d] * granularity.block_shape[d] if d in split else n
@@ -374,13 +383,13 @@ def kernel_view(
   last = len(shape) - 1
   if padded != shape:
     x = jnp.pad(x, [
-        (0, (p - n) // (2 if packed and d == last else 1))
+        (0, (p - n) // (per_byte if d == last else 1))
         for d, (p, n) in enumerate(zip(padded, shape))
     ], constant_values=pad_value)
   x_view = _blocked_shape(padded, granularity)
   param_view = _blocked_shape(granularity.param_shape, granularity, params=True)
-  if packed:
-    x_view[-1] //= 2
+  if per_byte > 1:
+    x_view[-1] //= per_byte
   return KernelView(
       x.reshape(x_view),
       [None if p is None else jnp.reshape(p, param_view) for p in params],

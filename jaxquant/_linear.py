@@ -1,4 +1,4 @@
-"""ONNX QuantizeLinear and DequantizeLinear (SPEC §3)."""
+"""ONNX QuantizeLinear and DequantizeLinear (docs/numerics.md, "Formulas")."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
   XLA rewrites division by a broadcast operand into multiplication by its
   reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
-  rounding ties (SPEC §7). A divisor that depends on x element-wise is no
+  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor that depends on x element-wise is no
   broadcast, so it stays a true division; swapping in x where x is NaN leaves
   every quotient unchanged (NaN either way) and costs one select in the fusion.
   """
@@ -91,7 +91,7 @@ def dequantize_linear(
   The subtraction is exact integer arithmetic (in int32; 32-bit inputs wrap
   around in their own width), the product is formed in float32 and rounded once
   to the output dtype. The granularity follows from the shape of ``scale``
-  (SPEC §2): per-tensor, per-axis along ``axis``, blocked along ``axis`` with
+  (docs/numerics.md, "Granularity"): per-tensor, per-axis along ``axis``, blocked along ``axis`` with
   ``block_size`` (a short last block is allowed), or block-wise broadcast.
 
   4-bit data may stay packed two per byte (:func:`pack_int4`, ONNX's raw
@@ -160,8 +160,8 @@ def _dequantize_linear(
   shape = x.shape
   if packed_shape is not None:
     shape = packed_shape
-    x = _packing.packed_bytes(function, x, shape)
-    dtype = _packing.four_bit_dtype(function, "packed_dtype", packed_dtype)
+    dtype = _packing.sub_byte_dtype(function, "packed_dtype", packed_dtype).dtype
+    x = _packing.packed_bytes(function, x, shape, dtype)
   else:
     dtype = x.dtype
   info = _dtypes.quantized_dtype(function, "x.dtype", dtype)
@@ -177,15 +177,19 @@ def _dequantize_linear(
       axis=axis, block_size=block_size,
   )
   formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
-  use_kernel = _dispatch.select(function, implementation) == "pallas"
-  packed = packed_shape is not None
-  if packed and not (use_kernel and _granularity.packable(granularity, shape)):
-    x, packed = _packing.unpacked(x, shape, info.dtype), False
-  if use_kernel and math.prod(shape):
-    view = _granularity.kernel_view(x, [scale, zero_point], granularity, shape=shape)
+  # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
+  use_kernel = _dispatch.select(function, implementation) == "pallas" and math.prod(shape) > 0
+  # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
+  per_byte = _packing.elements_per_byte(info.dtype) if packed_shape is not None else 1
+  if per_byte > 1 and not (use_kernel and _granularity.packable(granularity, shape, per_byte)):
+    x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
+  if use_kernel:
+    view = _granularity.kernel_view(
+        x, [scale, zero_point], granularity, shape=shape, elements_per_byte=per_byte
+    )
     return view.restore(pallas_kernels.dequantize(
         view.x, *view.params, formula=formula, output_dtype=output_dtype,
-        packed_dtype=info.dtype if packed else None,
+        packed_dtype=info.dtype if per_byte > 1 else None,
     ))
   return _granularity.apply_blockwise(
       formula, x, [scale, zero_point], granularity, result_dtype=output_dtype

@@ -3,9 +3,9 @@
 The formula comes from the caller (jaxquant's ``dequantize_formula``), so the
 ONNX rules live in one place; this module contributes the layout: scales and
 zero points enter the kernel at their own size and broadcast inside a tile,
-and 4-bit data may arrive packed two per byte (ONNX order, the output of
-``jaxquant.pack_int4``) and is unpacked in the kernel, so HBM holds half a byte
-per weight.
+and sub-byte data may arrive packed (ONNX order, the output of ``jaxquant.pack``:
+two 4-bit or four 2-bit values per byte) and is decoded in the kernel, so HBM
+holds half a byte per 4-bit weight.
 """
 
 from __future__ import annotations
@@ -20,27 +20,78 @@ import numpy as np
 from pallas_kernels import _blockwise
 
 Formula = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
-PACKED_DTYPES = tuple(np.dtype(d) for d in (jnp.int4, jnp.uint4, jnp.float4_e2m1fn))
+# The dtypes that may arrive packed, and their bits per element (the kernels
+# never import jaxquant, so this is not its dtype table).
+PACKED_DTYPES = {
+    np.dtype(jnp.int2): 2, np.dtype(jnp.uint2): 2,
+    np.dtype(jnp.int4): 4, np.dtype(jnp.uint4): 4, np.dtype(jnp.float4_e2m1fn): 4,
+}
+# The unsigned dtype of each width, for the XLA twin's bitcasts.
+_UNSIGNED = {2: np.dtype(jnp.uint2), 4: np.dtype(jnp.uint4)}
 
 
-def decode_nibbles(nibbles: jax.Array, dtype: np.dtype) -> jax.Array:
-  """The values of 4-bit codes (uint8 0..15) of ``dtype``, as int32 or float32.
+def decode_codes(codes: jax.Array, dtype: np.dtype) -> jax.Array:
+  r"""The values of ``bits``-bit codes (uint8 ``0 .. 2**bits - 1``) of ``dtype``.
 
-  Arithmetic instead of a bitcast to a 4-bit type, which neither Mosaic nor
-  Triton can load from registers: int4 is two's complement, float4_e2m1fn is
-  sign, 2 exponent bits (bias 1) and 1 mantissa bit, subnormal at exponent 0.
+  .. math::
+
+    \mathrm{int}b(c) = (c \oplus 2^{b-1}) - 2^{b-1}, \qquad \mathrm{uint}b(c) = c
+
+  Arithmetic instead of a bitcast to a sub-byte type, which neither Mosaic nor
+  Triton can load from registers: int2 and int4 are two's complement,
+  float4_e2m1fn is sign, 2 exponent bits (bias 1) and 1 mantissa bit,
+  subnormal at exponent 0.
+
+  Args:
+    codes: an integer array of codes of ``dtype``'s width.
+    dtype: one of :data:`PACKED_DTYPES` (static).
+
+  Returns:
+    int32 values for int2, uint2, int4 and uint4; float32 for float4_e2m1fn.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from pallas_kernels.dequantize import decode_codes
+    >>> decode_codes(jnp.arange(4, dtype=jnp.uint8), np.dtype(jnp.int2))
+    Array([ 0,  1, -2, -1], dtype=int32)
   """
-  codes = nibbles.astype(jnp.int32)
-  if dtype == np.dtype(jnp.uint4):
-    return codes
-  if dtype == np.dtype(jnp.int4):
-    return (codes ^ 8) - 8
+  codes = codes.astype(jnp.int32)
+  if dtype != np.dtype(jnp.float4_e2m1fn):
+    if jnp.iinfo(dtype).min == 0:
+      return codes
+    sign = 1 << (PACKED_DTYPES[dtype] - 1)
+    return (codes ^ sign) - sign
   exponent, mantissa = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
   magnitude = jnp.where(
       exponent == 0, mantissa * 0.5,
       (2 + mantissa) * (1 << exponent).astype(jnp.float32) * 0.25,
   )
   return jnp.where(codes >= 8, -magnitude, magnitude)
+
+
+def decode_nibbles(nibbles: jax.Array, dtype: np.dtype) -> jax.Array:
+  """The values of 4-bit codes (uint8 0..15) of ``dtype``: :func:`decode_codes`, 4-bit only.
+
+  Args:
+    nibbles: an integer array of 4-bit codes.
+    dtype: int4, uint4 or float4_e2m1fn (static).
+
+  Returns:
+    int32 values for int4 and uint4; float32 for float4_e2m1fn.
+  """
+  return decode_codes(nibbles, np.dtype(dtype))
+
+
+def _one_code_per_nibble(packed: jax.Array) -> jax.Array:
+  """2-bit codes, four per byte, moved to one per nibble (two per byte), order kept.
+
+  The kernel engine reads two values per byte; this XLA step (a pass over the
+  packed bytes, doubling them) lets it read 2-bit data too.
+  """
+  halves = jnp.stack([packed & 0xF, packed >> 4], axis=-1)  # codes 4i, 4i+1 | 4i+2, 4i+3
+  nibbles = (halves & 3) | ((halves & 0xC) << 2)
+  return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize(
@@ -67,20 +118,25 @@ def dequantize(
   index maps read a size-1 dim through block index 0, so a per-channel or
   per-block scale is loaded once per tile and never expanded in HBM.
   jaxquant passes its ``dequantize_formula`` (:func:`jaxquant.dequantize_linear`
-  with ``implementation="pallas"``). With ``packed_dtype``, each byte of ``x``
-  is decoded in the kernel into two values, the even element from the low
-  nibble (ONNX order, :func:`jaxquant.pack_int4`).
+  with ``implementation="pallas"``). With ``packed_dtype`` of :math:`b` bits,
+  each byte of ``x`` holds :math:`n = 8 / b` values along the last dim, the
+  first in the lowest bits (ONNX order, :func:`jaxquant.pack`), decoded in the
+  kernel by :func:`decode_codes`. 4-bit bytes enter the kernel as they are;
+  2-bit bytes are first spread to one code per nibble by one XLA pass over
+  the bytes, so the kernel reads 4 bits per 2-bit value.
 
   Args:
-    x: quantized values; or, with ``packed_dtype``, uint8 bytes holding two
-      4-bit values each along the last dim (which is half the output's).
+    x: quantized values; or, with ``packed_dtype``, uint8 bytes holding
+      ``8 // bits`` values each along the last dim (which is the output's
+      divided by ``8 // bits``).
     scale: same rank as x (as unpacked); each dim x's size or 1.
     zero_point: like ``scale``, or ``None`` (passed to ``formula`` as ``None``).
     formula: the element-wise dequantization ``formula(x, scale, zero_point)``,
       written in ``jnp``; it sees blocks of the operands, broadcast NumPy-style.
     output_dtype: what ``formula`` returns.
-    packed_dtype: int4, uint4 or float4_e2m1fn when ``x`` is packed; ``formula``
-      then sees x's values decoded to int32 (int4, uint4) or float32.
+    packed_dtype: int2, uint2, int4, uint4 or float4_e2m1fn when ``x`` is
+      packed (static); ``formula`` then sees x's values decoded to int32
+      (int2, uint2, int4, uint4) or float32 (float4_e2m1fn).
     backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
       when the call is lowered (interpret mode on CPU).
     interpret: run in Pallas interpret mode on every platform.
@@ -108,12 +164,14 @@ def dequantize(
            [ 0. ,  2. ,  4. ,  6. ]], dtype=float32)
   """
   packed = packed_dtype is not None
+  if packed and PACKED_DTYPES[np.dtype(packed_dtype)] == 2:
+    x = _one_code_per_nibble(x)
   (y,) = _blockwise.elementwise(
       lambda *args: (formula(*args),),
       [x, scale, zero_point],
       [output_dtype],
       packed=(packed, False, False),
-      decode=(lambda n: decode_nibbles(n, np.dtype(packed_dtype))) if packed else None,
+      decode=(lambda n: decode_codes(n, np.dtype(packed_dtype))) if packed else None,
       backend=backend, interpret=interpret, max_block=max_block, name="dequantize",
   )
   return y
@@ -135,8 +193,8 @@ def dequantize_reference(
     y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
 
   with NumPy broadcasting, cast to ``output_dtype``; packed bytes are unpacked
-  first by a bitcast to ``packed_dtype`` (low nibble first), which is the dtype
-  ``formula`` then sees. The kernel tests compare against it bit for bit.
+  first by a bitcast to ``packed_dtype`` (lowest bits first), which is the
+  dtype ``formula`` then sees. The kernel tests compare against it bit for bit.
 
   Args:
     x, scale, zero_point, formula, output_dtype, packed_dtype: as for
@@ -164,10 +222,16 @@ def dequantize_reference(
     >>> bool(jnp.array_equal(
     ...     y, pallas_kernels.dequantize(*args, **options, interpret=True)))
     True
+    >>> packed = jnp.array([[0b11_10_01_00]], jnp.uint8)  # int2 0, 1, -2, -1
+    >>> pallas_kernels.dequantize_reference(
+    ...     packed, jnp.full((1, 1), 0.5), None, formula=formula,
+    ...     output_dtype=jnp.float32, packed_dtype=jnp.int2)
+    Array([[ 0. ,  0.5, -1. , -0.5]], dtype=float32)
   """
   if packed_dtype is not None:
-    nibbles = lax.bitcast_convert_type(x, jnp.uint4)  # (..., n, 2): low nibble first
+    bits = PACKED_DTYPES[np.dtype(packed_dtype)]
+    codes = lax.bitcast_convert_type(x, _UNSIGNED[bits])  # (..., n, 8 // bits): low bits first
     x = lax.bitcast_convert_type(
-        nibbles.reshape(*x.shape[:-1], 2 * x.shape[-1]), packed_dtype
+        codes.reshape(*x.shape[:-1], (8 // bits) * x.shape[-1]), packed_dtype
     )
   return formula(x, scale, zero_point).astype(output_dtype)

@@ -27,6 +27,7 @@ from jaxquant import _linear
 import pallas_kernels
 from pallas_kernels import _exact
 from pallas_kernels import _tiling
+from pallas_kernels.dequantize import decode_codes
 from pallas_kernels.dequantize import decode_nibbles
 from test_linear import assert_bits_equal
 
@@ -36,6 +37,7 @@ QUANTIZED_DTYPES = [
     jnp.float8_e5m2, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn,
 ]
 FOUR_BIT_DTYPES = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
+SUB_BYTE_DTYPES = [jnp.int2, jnp.uint2, *FOUR_BIT_DTYPES]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INTEGER_DTYPES = [jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16]
 
@@ -125,7 +127,7 @@ def test_dequantize_matches_xla(layout, dtype, output_dtype, with_zero_point, se
 
 @few
 @hypothesis.given(
-    layout=layouts(min_rank=1), dtype=st.sampled_from(FOUR_BIT_DTYPES),
+    layout=layouts(min_rank=1), dtype=st.sampled_from(SUB_BYTE_DTYPES),
     output_dtype=st.sampled_from(FLOAT_DTYPES), seed=st.integers(0, 2**32 - 1),
 )
 def test_dequantize_packed_matches_xla(layout, dtype, output_dtype, seed):
@@ -138,19 +140,22 @@ def test_dequantize_packed_matches_xla(layout, dtype, output_dtype, seed):
                                   implementation="xla", **kwargs)
   for implementation in ("pallas", "xla"):
     actual = jq.dequantize_linear(
-        jq.pack_int4(x), scale, zero_point, output_dtype=output_dtype,
+        jq.pack(x), scale, zero_point, output_dtype=output_dtype,
         packed_shape=shape, packed_dtype=dtype, implementation=implementation, **kwargs,
     )
     assert_bits_equal(actual, expected)
 
 
-def test_packed_kernel_reads_bytes():
-  # An even last dim (and even blocks along it) keeps the bytes packed into
-  # the kernel: its input is the uint8 array, half the size of the int4 one.
-  packed = jnp.zeros((64 * 96 // 2,), jnp.uint8)
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.int2, jnp.uint2])
+def test_packed_kernel_reads_bytes(dtype):
+  # A last dim (and blocks along it) that are multiples of 8 // bits keep the
+  # bytes packed into the kernel: its input is a uint8 array, not int4/int2.
+  # 2-bit codes enter it one per nibble (spread by XLA), half a byte each.
+  bits = _dtypes.quantized_dtype("test", "dtype", dtype).bits
+  packed = jnp.zeros((64 * 96 * bits // 8,), jnp.uint8)
   jaxpr = jax.make_jaxpr(functools.partial(
       jq.dequantize_linear, axis=1, block_size=32, packed_shape=(64, 96),
-      implementation="pallas",
+      packed_dtype=dtype, implementation="pallas",
   ))(packed, jnp.ones((64, 3)))
   kernels = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
   assert kernels  # one per platform branch
@@ -317,12 +322,12 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
 
 
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", FOUR_BIT_DTYPES)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
 def test_packed_dequantize_kernel(backend, max_block, dtype):
   rng = np.random.default_rng(2)
   x, scale, zero_point = _kernel_operands(rng, (48, 6, 64), dtype, (1, 6, 1))
-  packed = jq.pack_int4(x).reshape(48, 6, 32)
   info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  packed = jq.pack(x).reshape(48, 6, 64 * info.bits // 8)
   options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
              "output_dtype": np.dtype(jnp.float32), "packed_dtype": np.dtype(dtype)}
@@ -451,6 +456,17 @@ def test_decode_nibbles_covers_every_code(dtype):
   assert_bits_equal(decoded, expected)
 
 
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
+def test_decode_codes_covers_every_packed_code(dtype):
+  bits = _dtypes.quantized_dtype("test", "dtype", dtype).bits
+  codes = np.arange(2**bits, dtype=np.uint8)
+  unsigned = jnp.uint2 if bits == 2 else jnp.uint4
+  expected = np.asarray(jax.lax.bitcast_convert_type(
+      jnp.asarray(codes).astype(unsigned), dtype)).astype(np.float32)
+  decoded = np.asarray(decode_codes(jnp.asarray(codes), np.dtype(dtype)), np.float32)
+  assert_bits_equal(decoded, expected)
+
+
 @hypothesis.given(
     shape=st.lists(st.integers(1, 5000), min_size=2, max_size=4),
     dtypes=st.lists(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int8, jnp.int4,
@@ -492,6 +508,16 @@ LOWERING_CASES = {
                                           packed_shape=(100, 1000), packed_dtype=jnp.uint4,
                                           implementation=P),
         (jnp.zeros((50000,), jnp.uint8), jnp.ones((100, 16)))),
+    "dequantize packed int2 blocked 32 -> bf16": (
+        lambda x, s, z: jq.dequantize_linear(x, s, z, axis=1, block_size=32,
+                                             output_dtype=jnp.bfloat16, packed_shape=(512, 4096),
+                                             packed_dtype=jnp.int2, implementation=P),
+        (jnp.zeros((512 * 4096 // 4,), jnp.uint8), jnp.ones((512, 128)),
+         jnp.zeros((512, 128), jnp.int2))),
+    "dequantize packed uint2 per-row ragged lanes": (
+        lambda x, s: jq.dequantize_linear(x, s, axis=0, packed_shape=(300, 1000),
+                                          packed_dtype=jnp.uint2, implementation=P),
+        (jnp.zeros((75000,), jnp.uint8), jnp.ones((300,)))),
     "dequantize float8_e4m3fn per-tensor -> bf16": (
         lambda x: jq.dequantize_linear(x, jnp.bfloat16(2), implementation=P),
         (jnp.zeros((33, 3, 129), jnp.float8_e4m3fn),)),

@@ -1,4 +1,23 @@
-"""pack_int4 / unpack_int4 against onnx.numpy_helper's TensorProto packing."""
+"""pack / unpack (and pack_int4 / unpack_int4) against ONNX's own packing, and packed dequantize.
+
+The layout is ONNX's TensorProto ``raw_data``: four int2/uint2 values per byte
+(element 4i in bits 0-1, 4i+1 in bits 2-3, ...), two int4/uint4/float4_e2m1fn
+values per byte (element 2i in the low nibble), zero bits after the last
+element. ``onnx.numpy_helper.from_array`` writes those bytes (its
+``_pack_2bitx4`` and ``_pack_4bitx2``) and ``to_array`` reads them (its
+``_unpack_2bit`` and ``_unpack_4bit``); both sides are checked.
+
+onnxruntime and int2: onnxruntime 1.32.0 runs int2 and uint2 DequantizeLinear
+on its CPU provider at opset 25, the opset that added the types, and refuses
+a model that declares opset 21-24 at load ("Type 'tensor(int2)' of input
+parameter (x) of operator (DequantizeLinear) ... is invalid"). It reads int2
+and uint2 initializers from ``raw_data`` in the layout above, so it runs on the
+bytes of :func:`jaxquant.pack` as they are; per-tensor, per-axis and blocked
+(ragged included) scales, with zero points packed the same way, agree bit for
+bit with jaxquant and with ``onnx.reference`` (1.23.2).
+"""
+
+import functools
 
 import hypothesis
 from hypothesis import strategies as st
@@ -6,34 +25,103 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import onnx
+from onnx import helper
 from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+import onnxruntime
 import pytest
 
 import jaxquant as jq
+from test_linear import assert_bits_equal
 
-FOUR_BIT = [ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn]
+TWO_BIT = [jnp.int2, jnp.uint2]
+FOUR_BIT = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
+SUB_BYTE = TWO_BIT + FOUR_BIT
+BITS = {np.dtype(d): 2 for d in TWO_BIT} | {np.dtype(d): 4 for d in FOUR_BIT}
+# Ranks 0-4, empty, and sizes that leave the last byte part full.
+EDGE_SHAPES = [(), (0,), (1,), (2,), (3,), (5,), (7,), (2, 3), (3, 0, 2), (4, 5), (1, 1, 9)]
+
+
+def _name(dtype):
+  return np.dtype(dtype).name
 
 
 def _random(dtype, shape, rng):
-  codes = rng.integers(0, 16, shape).astype(np.uint8)
-  return codes.astype(ml_dtypes.uint4).view(dtype)
+  """Every code of the dtype equally likely (float4's NaN-free codes are all values)."""
+  bits = BITS[np.dtype(dtype)]
+  codes = rng.integers(0, 2**bits, shape).astype(np.uint8)
+  unsigned = ml_dtypes.uint2 if bits == 2 else ml_dtypes.uint4
+  return codes.astype(unsigned).view(dtype)
 
 
-@pytest.mark.parametrize("dtype", FOUR_BIT, ids=lambda d: d.__name__)
-@hypothesis.given(shape=st.lists(st.integers(0, 5), max_size=4), seed=st.integers(0, 2**32 - 1))
+def _codes(x):
+  return np.asarray(x).view(np.uint8)
+
+
+def _check_against_onnx(x, dtype):
+  packed = jq.pack(x)
+  assert packed.dtype == jnp.uint8
+  assert packed.shape == (-(-x.size // (8 // BITS[np.dtype(dtype)])),)
+  tensor = numpy_helper.from_array(x)
+  np.testing.assert_array_equal(packed, np.frombuffer(tensor.raw_data, np.uint8))
+  unpacked = jq.unpack(packed, x.shape, dtype)
+  assert unpacked.dtype == dtype and unpacked.shape == x.shape
+  np.testing.assert_array_equal(_codes(unpacked), _codes(x))
+  # ONNX reads the bytes written here as the same values.
+  ours = helper.make_tensor("x", tensor.data_type, x.shape, np.asarray(packed).tobytes(),
+                            raw=True)
+  np.testing.assert_array_equal(_codes(numpy_helper.to_array(ours)), _codes(x))
+
+
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@hypothesis.given(shape=st.lists(st.integers(0, 6), max_size=4), seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=25)
 def test_pack_matches_onnx_layout_and_round_trips(dtype, shape, seed):
+  _check_against_onnx(_random(dtype, tuple(shape), np.random.default_rng(seed)), dtype)
+
+
+@pytest.mark.parametrize("shape", EDGE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+def test_pack_edge_shapes_match_onnx(dtype, shape):
+  _check_against_onnx(_random(dtype, shape, np.random.default_rng(len(shape))), dtype)
+
+
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+def test_pack_and_unpack_under_jit_and_vmap(dtype):
+  x = _random(dtype, (3, 8), np.random.default_rng(3))
+  packed = jax.jit(jq.pack)(x)
+  unpack = jax.jit(jq.unpack, static_argnums=(1, 2))
+  np.testing.assert_array_equal(_codes(unpack(packed, (3, 8), dtype)), _codes(x))
+  rows = jax.vmap(jq.pack)(x)  # 8 elements of b bits fill b whole bytes per row
+  assert rows.shape == (3, BITS[np.dtype(dtype)])
+  np.testing.assert_array_equal(rows.reshape(-1), packed)
+
+
+def test_last_byte_holds_zero_bits_after_the_last_element():
+  # The bytes onnx.helper.make_tensor writes for the same values.
+  np.testing.assert_array_equal(jq.pack(jnp.array([1, -2, 0, -1, 1], jnp.int2)), [201, 1])
+  np.testing.assert_array_equal(jq.pack(jnp.array([1, 2, 3], jnp.uint2)), [0b111001])
+  np.testing.assert_array_equal(jq.pack(jnp.array([1, -1, 7], jnp.int4)), [0xF1, 0x07])
+  np.testing.assert_array_equal(jq.pack_int4(jnp.array([1, -1, 7], jnp.int4)), [0xF1, 0x07])
+
+
+def test_unpack_ignores_the_bits_after_the_last_element():
+  # As ONNX's _unpack_2bit and _unpack_4bit do.
+  np.testing.assert_array_equal(jq.unpack(jnp.array([0xFF], jnp.uint8), (1,), jnp.int2), [-1])
+  np.testing.assert_array_equal(
+      jq.unpack(jnp.array([0xFF], jnp.uint8), (3,), jnp.uint2), [3, 3, 3])
+  np.testing.assert_array_equal(jq.unpack(jnp.array([0xF1], jnp.uint8), (1,), jnp.int4), [1])
+
+
+@pytest.mark.parametrize("dtype", FOUR_BIT, ids=_name)
+@hypothesis.given(shape=st.lists(st.integers(0, 5), max_size=3), seed=st.integers(0, 2**32 - 1))
+@hypothesis.settings(max_examples=10)
+def test_pack_int4_is_pack_for_4_bit_dtypes(dtype, shape, seed):
   x = _random(dtype, tuple(shape), np.random.default_rng(seed))
   packed = jq.pack_int4(x)
-  onnx_bytes = np.frombuffer(numpy_helper.from_array(x).raw_data, np.uint8)
-  np.testing.assert_array_equal(packed, onnx_bytes)
-  unpacked = jq.unpack_int4(packed, x.shape, dtype)
-  assert unpacked.dtype == dtype and unpacked.shape == x.shape
-  np.testing.assert_array_equal(np.asarray(unpacked).view(np.uint8), x.view(np.uint8))
-
-
-def test_odd_length_pads_a_zero_high_nibble():
-  np.testing.assert_array_equal(jq.pack_int4(jnp.array([1, -1, 7], jnp.int4)), [0xF1, 0x07])
+  np.testing.assert_array_equal(packed, jq.pack(x))
+  np.testing.assert_array_equal(_codes(jq.unpack_int4(packed, x.shape, dtype)), _codes(x))
 
 
 def test_unpack_onnx_bytes_and_dequantize():
@@ -55,3 +143,187 @@ def test_packed_shape_may_be_any_sequence_of_ints():
         jq.dequantize_linear(raw, 0.5, axis=0, packed_shape=shape), expected
     )
   np.testing.assert_array_equal(expected, [[-4, 3.5, 0], [1.5, -0.5, 2.5]])
+
+
+# --- errors, in the library's one format ------------------------------------------
+
+SUB_BYTE_NAMES = "int2, uint2, int4, uint4 or float4_e2m1fn"
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: jq.pack(jnp.zeros(4, jnp.int8)), TypeError,
+     f"pack: x.dtype must be {SUB_BYTE_NAMES}, got int8."),
+    (lambda: jq.pack(jnp.zeros(4, jnp.float8_e4m3fn)), TypeError,
+     f"pack: x.dtype must be {SUB_BYTE_NAMES}, got float8_e4m3fn."),
+    (lambda: jq.pack_int4(jnp.zeros(4, jnp.int2)), TypeError,
+     "pack_int4: x.dtype must be int4, uint4 or float4_e2m1fn, got int2."),
+    (lambda: jq.unpack(jnp.zeros(2, jnp.uint8), (4,), jnp.int2), ValueError,
+     "unpack: packed.shape must be (1,) to unpack into shape (4,), got (2,)."),
+    (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (5,), jnp.uint2), ValueError,
+     "unpack: packed.shape must be (2,) to unpack into shape (5,), got (1,)."),
+    (lambda: jq.unpack(jnp.zeros((1, 1), jnp.uint8), (2, 2), jnp.int2), ValueError,
+     "unpack: packed.shape must be (1,) to unpack into shape (2, 2), got (1, 1)."),
+    (lambda: jq.unpack(jnp.zeros(1, jnp.int8), (4,), jnp.int2), TypeError,
+     "unpack: packed.dtype must be uint8, got int8."),
+    (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (4,), jnp.int8), TypeError,
+     f"unpack: dtype must be {SUB_BYTE_NAMES}, got int8."),
+    (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (-4,), jnp.int2), TypeError,
+     "unpack: shape must be a sequence of non-negative ints, got (-4,)."),
+    (lambda: jq.unpack_int4(jnp.zeros(1, jnp.uint8), (4,), jnp.uint2), TypeError,
+     "unpack_int4: dtype must be int4, uint4 or float4_e2m1fn, got uint2."),
+    (lambda: jq.dequantize_linear(jnp.zeros(3, jnp.uint8), 1.0, packed_shape=(2, 4),
+                                  packed_dtype=jnp.int2), ValueError,
+     "dequantize_linear: packed.shape must be (2,) to unpack into shape (2, 4), got (3,)."),
+    (lambda: jq.dequantize_linear(jnp.zeros(2, jnp.int8), 1.0, packed_shape=(2, 4),
+                                  packed_dtype=jnp.int2), TypeError,
+     "dequantize_linear: packed.dtype must be uint8, got int8."),
+    (lambda: jq.dequantize_linear(jnp.zeros(2, jnp.uint8), 1.0, packed_shape=(2, 4),
+                                  packed_dtype=jnp.int8), TypeError,
+     f"dequantize_linear: packed_dtype must be {SUB_BYTE_NAMES}, got int8."),
+], ids=[
+    "pack-int8", "pack-float8", "pack_int4-int2", "unpack-int2-too-long",
+    "unpack-uint2-too-short", "unpack-2d", "unpack-int8-bytes", "unpack-dtype-int8",
+    "unpack-negative-shape", "unpack_int4-uint2", "dq-int2-too-long", "dq-int2-int8-bytes",
+    "dq-packed-dtype-int8",
+])
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
+def test_packed_errors(call, error, message, under_jit):
+  with pytest.raises(error) as info:
+    jax.jit(call)() if under_jit else call()
+  assert str(info.value) == message
+
+
+# --- dequantize_linear of packed bytes == of the unpacked array -----------------------
+
+# (shape, scale shape, axis/block_size); the last dim a multiple of 4 (and
+# blocks along it too) lets the Pallas kernel read the bytes, the others are
+# unpacked by XLA first.
+LAYOUTS = {
+    "per-tensor": ((8, 12), (), {}),
+    "per-axis 0": ((8, 12), (8,), {"axis": 0}),
+    "per-axis last": ((6, 12), (12,), {"axis": 1}),
+    "blocked last 4": ((8, 12), (8, 3), {"axis": 1, "block_size": 4}),
+    "blocked last 8 ragged": ((3, 20), (3, 3), {"axis": 1, "block_size": 8}),
+    "blocked 0 ragged": ((7, 8), (3, 8), {"axis": 0, "block_size": 3}),
+    "blocked last 6 straddling bytes": ((4, 12), (4, 2), {"axis": 1, "block_size": 6}),
+    "block-wise broadcast": ((8, 12), (2, 3), {}),
+    "odd last dim": ((5, 7), (5,), {"axis": 0}),
+    "rank 1": ((13,), (), {}),
+    "rank 0": ((), (), {}),
+    "empty": ((0, 8), (), {}),
+}
+
+
+@functools.cache
+def _packed_dequantize(layout, dtype, implementation, under_jit):
+  shape, _, kwargs = LAYOUTS[layout]
+  dequantize = functools.partial(
+      jq.dequantize_linear, packed_shape=shape, packed_dtype=dtype,
+      implementation=implementation, **kwargs,
+  )
+  return jax.jit(dequantize) if under_jit else dequantize
+
+
+@pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", TWO_BIT, ids=_name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@hypothesis.given(seed=st.integers(0, 2**32 - 1))
+@hypothesis.settings(max_examples=3)
+def test_packed_dequantize_equals_unpacked(layout, dtype, implementation, under_jit, seed):
+  shape, scale_shape, kwargs = LAYOUTS[layout]
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(_random(dtype, shape, rng))
+  scale = jnp.asarray(rng.uniform(0.01, 2.0, scale_shape).astype(np.float32))
+  zero_point = jnp.asarray(_random(dtype, scale_shape, rng))
+  expected = jq.dequantize_linear(x, scale, zero_point, implementation="xla", **kwargs)
+  dequantize = _packed_dequantize(layout, dtype, implementation, under_jit)
+  assert_bits_equal(dequantize(jq.pack(x), scale, zero_point), expected)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+def test_empty_packed_dequantize_keeps_its_shape(dtype, implementation):
+  # The Pallas path once returned (0, 0) here: the empty bytes skipped unpacking.
+  y = jq.dequantize_linear(jnp.zeros(0, jnp.uint8), 1.0, packed_shape=(0, 8),
+                           packed_dtype=dtype, implementation=implementation)
+  assert y.shape == (0, 8) and y.dtype == jnp.float32
+
+
+# --- onnxruntime and onnx.reference on the same bytes -----------------------------------
+
+# (shape, scale shape, DequantizeLinear attributes); odd sizes leave padding
+# bits in the last byte of x or of the zero point.
+ORACLE_LAYOUTS = {
+    "per-tensor, 15 elements": ((3, 5), (), {}),
+    "per-axis 0": ((4, 6), (4,), {"axis": 0}),
+    "per-axis 1, 3 zero points": ((5, 3), (3,), {"axis": 1}),
+    "blocked 1 ragged": ((3, 10), (3, 3), {"axis": 1, "block_size": 4}),
+    "blocked 0 ragged": ((7, 8), (3, 8), {"axis": 0, "block_size": 3}),
+    "blocked 1 by 8": ((2, 16), (2, 2), {"axis": 1, "block_size": 8}),
+}
+
+
+def _packed_tensor(name, packed, shape, dtype):
+  return helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape,
+                            np.asarray(packed).tobytes(), raw=True)
+
+
+def _dequantize_model(x, scale, zero_point, *, opset=25, **attributes):
+  """One DequantizeLinear whose x and zero point are initializers holding jq.pack's bytes."""
+  initializers = [_packed_tensor("x", jq.pack(x), x.shape, x.dtype),
+                  numpy_helper.from_array(scale, "scale")]
+  if zero_point is not None:
+    initializers.append(
+        _packed_tensor("zero_point", jq.pack(zero_point), zero_point.shape, zero_point.dtype))
+  node = helper.make_node("DequantizeLinear", [t.name for t in initializers], ["y"],
+                          **attributes)
+  graph = helper.make_graph(
+      [node], "dequantize", [],
+      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], initializers,
+  )
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+  model.ir_version = 11
+  return model
+
+
+def _onnxruntime_session(model):
+  options = onnxruntime.SessionOptions()
+  options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  options.intra_op_num_threads = 1
+  return onnxruntime.InferenceSession(
+      model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4], ids=_name)
+@pytest.mark.parametrize("layout", ORACLE_LAYOUTS, ids=str)
+@pytest.mark.parametrize("with_zero_point", [True, False], ids=["zero_point", "no_zero_point"])
+def test_packed_dequantize_matches_onnx_oracles(layout, dtype, with_zero_point):
+  shape, scale_shape, attributes = ORACLE_LAYOUTS[layout]
+  rng = np.random.default_rng(sum(shape))
+  x = _random(dtype, shape, rng)
+  scale = rng.uniform(0.01, 2.0, scale_shape).astype(np.float32)
+  zero_point = _random(dtype, scale_shape, rng) if with_zero_point else None
+  model = _dequantize_model(x, scale, zero_point, **attributes)
+  (from_onnxruntime,) = _onnxruntime_session(model).run(None, {})
+  (from_reference,) = ReferenceEvaluator(model).run(None, {})
+  assert_bits_equal(from_onnxruntime, np.asarray(from_reference, np.float32))
+  packed, options = jq.pack(x), {"axis": 1} | attributes
+  if with_zero_point:
+    # jaxquant reads the zero point from the same bytes as the oracles.
+    zero_point = jq.unpack(jq.pack(zero_point), scale_shape, dtype)
+  for implementation in ("xla", "pallas"):
+    assert_bits_equal(
+        jq.dequantize_linear(packed, scale, zero_point, packed_shape=shape,
+                             packed_dtype=dtype, implementation=implementation, **options),
+        from_onnxruntime,
+    )
+
+
+@pytest.mark.parametrize("opset", [21, 24])
+def test_onnxruntime_refuses_packed_int2_before_opset_25(opset):
+  # int2 and uint2 joined DequantizeLinear in opset 25; int4 in 21.
+  model = _dequantize_model(np.zeros((2, 4), ml_dtypes.int2), np.float32(1), None,
+                            opset=opset)
+  with pytest.raises(Exception, match=r"tensor\(int2\)"):
+    _onnxruntime_session(model)
