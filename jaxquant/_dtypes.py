@@ -247,8 +247,9 @@ def round_and_saturate(
     *,
     saturate: bool = True,
 ) -> jax.Array:
-  """``saturate(round_half_to_even(quotient) + zero_point)`` as ``info.dtype`` (docs/numerics.md, "Special values").
+  """``saturate(round_half_to_even(quotient) + zero_point)`` as ``info.dtype``.
 
+  The rules are docs/numerics.md's "Special values".
   Integers: NaN -> ``min``, +-inf and overflow clamp to the range, the clamp is
   done in float before the cast because XLA's cast maps NaN to 0. Floats: the
   dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
