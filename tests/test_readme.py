@@ -32,3 +32,24 @@ def test_readme_python_examples_run():
   assert grad_scale.shape == (128, 4)
   assert float(jnp.mean(grad_weights != 0)) > 0.9  # the straight-through estimator passes
   assert bool(jnp.all(grad_scale != 0))
+
+
+def test_oracles_are_pinned_to_the_versions_the_readme_names():
+  # A newer oracle must never turn the suite red: the test extra pins each one
+  # exactly, and the README names the same versions.
+  import tomllib  # pylint: disable=import-outside-toplevel
+
+  pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
+  pins = dict(
+      requirement.split("==") for requirement in pyproject["project"]["optional-dependencies"]["test"]
+      if "==" in requirement
+  )
+  readme = README.read_text()
+  for oracle in ("onnx", "onnxruntime", "torch", "hypothesis", "ml_dtypes"):
+    assert oracle in pins, f"{oracle} is not pinned in the test extra"
+    assert pins[oracle] in readme, f"README does not name {oracle} {pins[oracle]}"
+
+
+def test_ci_installs_into_a_fresh_venv():
+  ci = (README.parent / ".ci" / "run").read_text()
+  assert "-m venv" in ci and "activate" in ci
