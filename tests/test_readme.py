@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import tomllib
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -37,8 +38,6 @@ def test_readme_python_examples_run():
 def test_oracles_are_pinned_to_the_versions_the_readme_names():
   # A newer oracle must never turn the suite red: the test extra pins each one
   # exactly, and the README names the same versions.
-  import tomllib  # pylint: disable=import-outside-toplevel
-
   pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
   pins = dict(
       requirement.split("==") for requirement in pyproject["project"]["optional-dependencies"]["test"]
