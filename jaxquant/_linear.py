@@ -112,7 +112,7 @@ def dequantize_linear(
     block_size: block length along ``axis`` for blocked scales, else 0.
     output_dtype: float32, float16 or bfloat16; default the scale's dtype
       (float32 for a float8_e8m0fnu scale).
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+    implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
     packed_shape: the shape of the 4-bit array packed in ``x`` (a sequence of
       ints: a tuple, a list, an ONNX ``TensorProto.dims``), or ``None`` when
       ``x`` is not packed.
@@ -296,7 +296,7 @@ def quantize_linear(
     saturate: float8 outputs only: clip instead of overflowing to NaN/inf.
     precision: float32, float16 or bfloat16: the dtype of the division (ONNX
       opset 23); default the scale's dtype.
-    implementation: ``None``, ``"xla"`` or ``"pallas"`` (SPEC §1).
+    implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
 
   Returns:
     An array shaped like ``x`` of the zero point's dtype, else ``output_dtype``,
