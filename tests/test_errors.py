@@ -366,7 +366,7 @@ ERROR_CASES = [
     _case("dq-packed-int8-bytes", dq, (_int8(4), 1.0), TypeError,
           r"packed\.dtype must be uint8, got int8\.", packed_shape=(2, 4)),
     _case("dq-packed-dtype-int8", dq, (jnp.zeros(4, jnp.uint8), 1.0), TypeError,
-          r"packed_dtype must be int4, uint4 or float4_e2m1fn, got int8\.",
+          r"packed_dtype must be int2, uint2, int4, uint4.* float4_e2m1fn.*, got int8\.",
           packed_shape=(2, 4), packed_dtype=jnp.int8),
     _case("dq-packed-shape-negative", dq, (jnp.zeros(4, jnp.uint8), 1.0), TypeError,
           r"packed_shape must be a sequence of non-negative ints, got \(2, -4\)\.",
