@@ -102,7 +102,7 @@ class _Layout:
   Attributes:
     arrays: the laid-out arrays (``None`` for a grouping-only shape).
     shapes: each operand's logical shape in the layout (a packed operand's
-      array holds half the last dim).
+      array holds ``1 / per_byte`` of the last dim).
     collapsed: the collapsed output shape, before folding 1-D into rows.
     rows: the output shape the kernel sees before tile padding.
     padded: ``rows`` rounded up to whole tiles.
@@ -137,7 +137,7 @@ def _lay_out(
     logical_shapes: Sequence[tuple[int, ...]],
     out_shape: tuple[int, ...],
     *,
-    packed: Sequence[bool],
+    per_byte: Sequence[int],
     backend: Backend,
     dtypes: Sequence[np.dtype],
     max_block: tuple[int, int] | None,
@@ -151,33 +151,31 @@ def _lay_out(
   """
   collapsed, shapes = _collapse(logical_shapes, out_shape)
   rows = collapsed
+  # Lanes come in whole bytes of every packed operand.
+  lane_multiple = max(per_byte, default=1)
   if len(collapsed) == 1:
     # One dim: fold it into rows of a lane-dense width (padding if need be).
-    width = _tiling.flat_width(collapsed[0], backend, max_block)
-    if any(packed):
-      width += width % 2
+    width = _round_up(_tiling.flat_width(collapsed[0], backend, max_block), lane_multiple)
     rows = (-(-collapsed[0] // width), width)
     shapes = [rows if shape[0] != 1 else (1, 1) for shape in shapes]
     arrays = [
-        jnp.pad(a.reshape(-1), (0, (math.prod(rows) - collapsed[0]) // (2 if p else 1)),
+        jnp.pad(a.reshape(-1), (0, (math.prod(rows) - collapsed[0]) // n),
                 constant_values=pad_value) if a is not None and shape != (1, 1) else a
-        for a, shape, p in zip(arrays, shapes, packed)
+        for a, shape, n in zip(arrays, shapes, per_byte)
     ]
   tile = _tiling.tile_shape(rows, dtypes, backend, max_block)
-  if any(packed) and tile[-1] % 2:
-    tile = tile[:-1] + (tile[-1] + 1,)
-  if backend == "tpu" and any(packed) and tile[-1] != rows[-1]:
-    # The packed block holds half the lanes: keep it a multiple of 128.
-    tile = tile[:-1] + (-(-tile[-1] // (2 * _tiling.LANES)) * 2 * _tiling.LANES,)
+  tile = tile[:-1] + (_round_up(tile[-1], lane_multiple),)
+  if backend == "tpu" and lane_multiple > 1 and tile[-1] != rows[-1]:
+    # The packed block holds 1 / per_byte of the lanes: keep it a multiple of 128.
+    tile = tile[:-1] + (_round_up(tile[-1], lane_multiple * _tiling.LANES),)
   padded = _tiling.padded_shape(rows, tile)
   laid_out = []
-  for array, shape, is_packed in zip(arrays, shapes, packed):
+  for array, shape, count in zip(arrays, shapes, per_byte):
     if array is not None:
-      storage = shape[:-1] + (shape[-1] // 2,) if is_packed else shape
+      storage = shape[:-1] + (shape[-1] // count,)
       array = array.reshape(storage)
       target = tuple(p if n != 1 else 1 for p, n in zip(padded, shape))
-      if is_packed:
-        target = target[:-1] + (target[-1] // 2,)
+      target = target[:-1] + (target[-1] // count,)
       if target != storage:
         array = jnp.pad(
             array, [(0, t - n) for t, n in zip(target, storage)], constant_values=pad_value
@@ -186,11 +184,14 @@ def _lay_out(
   return _Layout(laid_out, shapes, collapsed, rows, padded, tile)
 
 
-def _block_spec(shape: tuple[int, ...], tile: tuple[int, ...], *, packed: bool = False):
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _block_spec(shape: tuple[int, ...], tile: tuple[int, ...], *, per_byte: int = 1):
   full = tuple(n != 1 for n in shape)
   block = tuple(t if f else 1 for t, f in zip(tile, full))
-  if packed:
-    block = block[:-1] + (block[-1] // 2,)
+  block = block[:-1] + (block[-1] // per_byte,)
   return pl.BlockSpec(block, lambda *grid: tuple(g if f else 0 for g, f in zip(grid, full)))
 
 
@@ -199,7 +200,7 @@ def elementwise(
     operands: Sequence[jax.Array | None],
     result_dtypes: Sequence[np.dtype],
     *,
-    packed: Sequence[bool] | None = None,
+    per_byte: Sequence[int] | None = None,
     decode: Callable[[jax.Array], jax.Array] | None = None,
     backend: Backend | None = None,
     interpret: bool = False,
@@ -212,12 +213,14 @@ def elementwise(
     formula: maps the operands' blocks (``None`` stays ``None``) to a sequence
       of arrays of ``result_dtypes``; element-wise, broadcasting size-1 dims.
     operands: arrays of one rank; each dim is the output's size or 1. A packed
-      operand holds two 4-bit values per byte along its last dim (ONNX order:
-      even elements in the low nibble), so its last dim is half the output's.
+      operand holds ``n`` values of ``8 // n`` bits per byte along its last dim
+      (ONNX order: element ``n * i + k`` in bits ``k * 8 // n`` upwards), so its
+      last dim is the output's divided by ``n``.
     result_dtypes: the dtypes ``formula`` returns.
-    packed: which operands are packed; default none.
-    decode: maps a block of nibbles (uint8 values 0..15) to the values the
-      formula expects; required with ``packed``.
+    per_byte: each operand's ``n``: 1 where it is not packed (the default), 2
+      for 4-bit and 4 for 2-bit values.
+    decode: maps a block of codes (uint8 values ``0 .. 2**(8 // n) - 1``) to
+      the values the formula expects; required with a packed operand.
     backend: ``"tpu"`` or ``"triton"``; ``None`` picks per platform when lowered.
     interpret: run in Pallas interpret mode.
     max_block: caps on the tile's (rows, lanes); default per backend.
@@ -226,11 +229,11 @@ def elementwise(
   Returns:
     The results, each shaped like the broadcast of the (unpacked) operands.
   """
-  packed = tuple(packed or (False,) * len(operands))
+  per_byte = tuple(per_byte or (1,) * len(operands))
   present = [i for i, a in enumerate(operands) if a is not None]
   arrays = [operands[i] for i in present]
   logical = [
-      a.shape[:-1] + (2 * a.shape[-1],) if packed[i] else a.shape
+      a.shape[:-1] + (per_byte[i] * a.shape[-1],) if per_byte[i] > 1 else a.shape
       for i, a in zip(present, arrays)
   ]
   out_shape = tuple(max(dims) for dims in zip(*logical)) if logical else ()
@@ -239,7 +242,7 @@ def elementwise(
 
   def call(arrays, *, backend, interpret, divide_asm):
     layout = _lay_out(
-        arrays, logical, out_shape, packed=[packed[i] for i in present],
+        arrays, logical, out_shape, per_byte=[per_byte[i] for i in present],
         backend=backend, dtypes=[*(a.dtype for a in arrays), *result_dtypes],
         max_block=max_block, pad_value=0,
     )
@@ -247,27 +250,28 @@ def elementwise(
     kernel_formula = formula
     if backend == "triton":
       kernel_formula = _exact.exact(formula, divide=divide_asm)
-    is_packed = [packed[i] for i in present]
+    present_per_byte = [per_byte[i] for i in present]
+    lanes_per_byte = max(present_per_byte)
 
     def kernel(*refs):
       in_refs, out_refs = refs[:len(present)], refs[len(present):]
-      if not any(is_packed):
+      if lanes_per_byte == 1:
         args = [None] * len(operands)
         for i, ref in zip(present, in_refs):
           args[i] = ref[...]
         for out_ref, result in zip(out_refs, kernel_formula(*args)):
           out_ref[...] = result
         return
-      # Even elements come from the low nibbles, odd ones from the high ones:
-      # evaluate each half apart and store it with a lane stride of 2.
-      half = tile[-1] // 2
-      for parity in (0, 1):
-        lanes = (slice(None),) * (len(tile) - 1) + (pl.ds(parity, half, stride=2),)
+      # Element n * j + k sits in bits k * bits.. of byte j: evaluate the k-th
+      # elements of every byte together and store them with a lane stride of n.
+      bits = 8 // lanes_per_byte
+      for k in range(lanes_per_byte):
+        lanes = (slice(None),) * (len(tile) - 1) + (
+            pl.ds(k, tile[-1] // lanes_per_byte, stride=lanes_per_byte),)
         args = [None] * len(operands)
-        for i, ref, shape, p in zip(present, in_refs, shapes, is_packed):
-          if p:
-            raw = ref[...]
-            args[i] = decode(raw & 0xF if parity == 0 else raw >> 4)
+        for i, ref, shape, n in zip(present, in_refs, shapes, present_per_byte):
+          if n > 1:
+            args[i] = decode((ref[...] >> (k * bits)) & ((1 << bits) - 1))
           elif shape[-1] != 1:
             args[i] = ref[lanes]
           else:
@@ -279,7 +283,7 @@ def elementwise(
         kernel,
         out_shape=[jax.ShapeDtypeStruct(layout.padded, d) for d in result_dtypes],
         grid=layout.grid,
-        in_specs=[_block_spec(s, tile, packed=p) for s, p in zip(shapes, is_packed)],
+        in_specs=[_block_spec(s, tile, per_byte=n) for s, n in zip(shapes, present_per_byte)],
         out_specs=[_block_spec(layout.padded, tile) for _ in result_dtypes],
         compiler_params=None if interpret else _compiler_params(backend, layout.grid, tile),
         interpret=interpret,
@@ -335,7 +339,7 @@ def reduce(
     # The result's shape marks reduced dims as broadcast, so the collapse
     # merges kept dims with kept dims and reduced with reduced only.
     layout = _lay_out(
-        [*arrays, None], [x.shape, result_shape], x.shape, packed=[False, False],
+        [*arrays, None], [x.shape, result_shape], x.shape, per_byte=[1, 1],
         backend=backend, dtypes=[x.dtype, *result_dtypes], max_block=max_block,
         pad_value=pad_value,
     )

@@ -83,17 +83,6 @@ def decode_nibbles(nibbles: jax.Array, dtype: np.dtype) -> jax.Array:
   return decode_codes(nibbles, np.dtype(dtype))
 
 
-def _one_code_per_nibble(packed: jax.Array) -> jax.Array:
-  """2-bit codes, four per byte, moved to one per nibble (two per byte), order kept.
-
-  The kernel engine reads two values per byte; this XLA step (a pass over the
-  packed bytes, doubling them) lets it read 2-bit data too.
-  """
-  halves = jnp.stack([packed & 0xF, packed >> 4], axis=-1)  # codes 4i, 4i+1 | 4i+2, 4i+3
-  nibbles = (halves & 3) | ((halves & 0xC) << 2)
-  return nibbles.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 def dequantize(
     x: jax.Array,
     scale: jax.Array,
@@ -120,10 +109,8 @@ def dequantize(
   jaxquant passes its ``dequantize_formula`` (:func:`jaxquant.dequantize_linear`
   with ``implementation="pallas"``). With ``packed_dtype`` of :math:`b` bits,
   each byte of ``x`` holds :math:`n = 8 / b` values along the last dim, the
-  first in the lowest bits (ONNX order, :func:`jaxquant.pack`), decoded in the
-  kernel by :func:`decode_codes`. 4-bit bytes enter the kernel as they are;
-  2-bit bytes are first spread to one code per nibble by one XLA pass over
-  the bytes, so the kernel reads 4 bits per 2-bit value.
+  first in the lowest bits (ONNX order, :func:`jaxquant.pack`); the kernel
+  reads the bytes as they are and decodes them with :func:`decode_codes`.
 
   Args:
     x: quantized values; or, with ``packed_dtype``, uint8 bytes holding
@@ -164,14 +151,13 @@ def dequantize(
            [ 0. ,  2. ,  4. ,  6. ]], dtype=float32)
   """
   packed = packed_dtype is not None
-  if packed and PACKED_DTYPES[np.dtype(packed_dtype)] == 2:
-    x = _one_code_per_nibble(x)
+  per_byte = 8 // PACKED_DTYPES[np.dtype(packed_dtype)] if packed else 1
   (y,) = _blockwise.elementwise(
       lambda *args: (formula(*args),),
       [x, scale, zero_point],
       [output_dtype],
-      packed=(packed, False, False),
-      decode=(lambda n: decode_codes(n, np.dtype(packed_dtype))) if packed else None,
+      per_byte=(per_byte, 1, 1),
+      decode=(lambda codes: decode_codes(codes, np.dtype(packed_dtype))) if packed else None,
       backend=backend, interpret=interpret, max_block=max_block, name="dequantize",
   )
   return y
