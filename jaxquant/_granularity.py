@@ -303,7 +303,7 @@ class KernelView:
 
   Attributes:
     x: x padded to whole blocks, each split dim reshaped to ``(blocks, block)``
-      (packed 4-bit data: the last dim holds bytes, half the elements).
+      (packed sub-byte data: the last dim holds bytes, ``elements_per_byte`` each).
     params: the parameters reshaped to broadcast against ``x`` (1 along each
       block's extent); ``None`` stays ``None``.
     param_shape: the parameters' shape in the view.
