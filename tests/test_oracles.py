@@ -748,6 +748,22 @@ def test_dequantize_rounds_once_to_the_output_dtype(out):
   np.testing.assert_array_equal(_bits(jq.dequantize_linear(x, scale, zero_point)), _bits(once))
 
 
+@pytest.mark.parametrize("scale_shape, zero_point_shape", [((), (1,)), ((1,), ())])
+def test_per_tensor_scale_and_zero_point_of_different_ranks(scale_shape, zero_point_shape):
+  # As ONNX's own test models write them; both oracles accept the pair.
+  x = np.array([[-1.0, 0.25], [2.5, 100.0], [np.nan, -np.inf]], np.float32)
+  scale = np.full(scale_shape, 0.5, np.float32)
+  zero_point = np.full(zero_point_shape, 3, np.int8)
+  q = np.asarray(jq.quantize_linear(x, scale, zero_point))
+  y = np.asarray(jq.dequantize_linear(q, scale, zero_point))
+  for oracle in ORACLES:
+    inputs = {"x": x, "scale": scale, "zero_point": zero_point}
+    np.testing.assert_array_equal(_run(oracle, "QuantizeLinear", inputs, np.int8)[:2], q[:2])
+    inputs["x"] = q
+    np.testing.assert_array_equal(_bits(_run(oracle, "DequantizeLinear", inputs, F32)), _bits(y))
+  np.testing.assert_array_equal(q[2], [-128, -128])  # NaN, -inf: the oracles here are R1's
+
+
 @pytest.mark.parametrize("scale_dtype", [F16, BF16], ids=lambda d: d.name)
 def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
   x = np.array([4640.3, 1000.1, 3.3], np.float32)
