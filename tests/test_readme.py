@@ -52,3 +52,12 @@ def test_oracles_are_pinned_to_the_versions_the_readme_names():
 def test_ci_installs_into_a_fresh_venv():
   ci = (README.parent / ".ci" / "run").read_text()
   assert "-m venv" in ci and "activate" in ci
+
+
+def test_docs_cite_tests_that_exist():
+  # docs/numerics.md pins each rule to a test by name: the names must not drift.
+  root = README.parent
+  for doc in [README, *sorted((root / "docs").glob("*.md"))]:
+    for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", doc.read_text()):
+      assert re.search(rf"^def {name}\(", (root / path).read_text(), flags=re.M), (
+          f"{doc.name} cites {path}::{name}, which does not exist")
