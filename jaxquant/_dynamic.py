@@ -23,12 +23,16 @@ import pallas_kernels
 def _min_max(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-  """min and max ignoring NaNs, in float32 (float64 under x64).
+  """min and max ignoring NaNs, in float32 (also for float64 x under x64).
+
+  The scale is float32 (ONNX's DynamicQuantizeLinear; every op takes it back),
+  so the statistics are too: float64 x is rounded to float32 first, which is
+  also how quantizing it by a float32 scale sees it.
 
   XLA gets one variadic reduction, one pass over x. A kernel block (keepdims)
   is already on chip, so two plain reductions there, which Mosaic and Triton lower.
   """
-  view = view.astype(_dtypes.compute_dtype(view.dtype))
+  view = view.astype(jnp.float32)
   nan = jnp.isnan(view)
   low, high = jnp.where(nan, jnp.inf, view), jnp.where(nan, -jnp.inf, view)
   if keepdims:
@@ -43,7 +47,7 @@ def _min_max(
 def _max_magnitude(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
 ) -> tuple[jax.Array]:
-  magnitude = jnp.abs(view.astype(_dtypes.compute_dtype(view.dtype)))
+  magnitude = jnp.abs(view.astype(jnp.float32))
   # initial=0: an empty x (or block) has max|x| = 0, hence scale 1.
   return (jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes,
                   keepdims=keepdims, initial=0),)
@@ -206,8 +210,7 @@ def dynamic_quantize_linear(
   )
   info, granularity = dynamic.info, dynamic.granularity
   formula = functools.partial(
-      _linear.quantize_formula, info=info, precision=_dtypes.compute_dtype(x.dtype),
-      saturate=True,
+      _linear.quantize_formula, info=info, precision=np.dtype(np.float32), saturate=True,
   )
   if _dispatch.select(function, implementation) == "pallas" and x.size:
     # NaN pads a short last block: the statistics ignore it.

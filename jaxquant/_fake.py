@@ -430,7 +430,7 @@ def fake_quantize_dynamic(
   _fake_quantized_dtype(function, dtype, narrow_range=False)  # at most 16 bits
   _straight_through(function, gradient)
   scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
-  quantizer = _Quantizer(dynamic.info, _dtypes.compute_dtype(x.dtype), gradient)
+  quantizer = _Quantizer(dynamic.info, np.dtype(np.float32), gradient)  # the float32 scale's
   return _apply(x, scale, zero_point, dynamic.granularity, quantizer)
 
 

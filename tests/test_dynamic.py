@@ -662,3 +662,23 @@ def test_empty_symmetric_gives_scale_one(axis):
   assert y.shape == (0, 3)
   np.testing.assert_array_equal(scale, np.ones(() if axis is None else 3))
   np.testing.assert_array_equal(zero_point, np.zeros(() if axis is None else 3))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("options", [{}, {"axis": 0}, {"axis": 1, "block_size": 4},
+                                     {"axis": 0, "dtype": jnp.int8, "symmetric": True}],
+                         ids=["per-tensor", "per-axis", "blocked", "symmetric"])
+def test_float64_outputs_feed_back_in_under_x64(options, implementation):
+  # Under x64 a float64 x gave a float64 scale, which every other op refused.
+  layout = {k: v for k, v in options.items() if k in ("axis", "block_size")}
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)) * 3)
+    y, scale, zero_point = jq.dynamic_quantize_linear(
+        x, implementation=implementation, **options)
+    assert scale.dtype == jnp.float32
+    np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point, **layout), y)
+    dequantized = jq.dequantize_linear(y, scale, zero_point, **layout)
+    fake_options = {"dtype": jnp.uint8, **options}
+    fake = jq.fake_quantize_dynamic(x, **fake_options)
+    assert fake.dtype == jnp.float64
+    np.testing.assert_array_equal(fake, dequantized.astype(jnp.float64))
