@@ -105,9 +105,16 @@ def _fake_quantize_jvp(quantizer, primals, tangents):
   x_dot, scale_dot, zero_point_dot = tangents
   info = quantizer.info
   learned = quantizer.gradient == "lsq"
+  # The primal output goes through this rule again, so a second derivative
+  # (a Hessian, an HVP) sees the straight-through one instead of round's 0. It
+  # is taken in the wide dtype the forward computes in, which LSQ's scale
+  # derivative reads (x's own dtype would round it).
+  wide = _dtypes.compute_dtype(x.dtype)
+  y = _fake_quantize(x.astype(wide), scale, zero_point, quantizer)
   if learned:
     zero_point = _rounded_zero_point(zero_point, info)
-  y, unclamped = _forward(x, scale, zero_point, quantizer)
+  # The unclamped value only decides the mask, which is piecewise constant.
+  _, unclamped = _forward(*lax.stop_gradient((x, scale, zero_point)), quantizer)
   # NaN is neither in the range nor out of it: it passes no gradient anywhere.
   below, above = unclamped < info.min, unclamped > info.max
   inside = (unclamped >= info.min) & (unclamped <= info.max)
@@ -119,9 +126,14 @@ def _fake_quantize_jvp(quantizer, primals, tangents):
     # LSQ (Esser et al. 2019) with PyTorch's cases: inside the range
     # d(y)/d(scale) = (y - x) / scale and d(y)/d(zero_point) = 0; clamped to
     # q (qmin or qmax), y = (q - zero_point) * scale.
-    wide = y.dtype
     scale = scale.astype(wide)
-    offset = 0 if zero_point is None else zero_point.astype(wide)
+    offset = 0
+    if zero_point is not None:
+      # The rounded zero point, with the straight-through derivative of the
+      # learned one, so that d2y / (dscale dzero_point) = -1 outside the range.
+      offset = zero_point.astype(wide)
+      learned_zero_point = primals[2].astype(wide)
+      offset = learned_zero_point + lax.stop_gradient(offset - learned_zero_point)
     d_scale = jnp.where(
         inside, (y - x.astype(wide)) / scale,
         jnp.where(below, info.min - offset, jnp.where(above, info.max - offset, 0)),

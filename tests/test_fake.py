@@ -464,3 +464,98 @@ def test_rank_eight_and_empty():
   assert jq.fake_quantize(empty, jnp.ones(3), axis=1).shape == (0, 3)
   assert jax.grad(lambda s: jnp.sum(jq.fake_quantize_learnable(empty, s, 0.0)))(
       jnp.float32(1)) == 0
+
+
+# --- second order: Hessians and Hessian-vector products -------------------------------------
+#
+# References written by hand with stop_gradient, the textbook way to spell a
+# straight-through estimator: their second derivatives are what the custom JVP
+# must reproduce (before the fix, round's zero derivative leaked into them).
+
+
+def _round_ste(v):
+  return v + jax.lax.stop_gradient(jnp.round(v) - v)
+
+
+def _masked_ste(x, scale, zero_point, info):
+  """clip(round(x / s) + z) dequantized; derivative 1 inside the range, 0 outside."""
+  q = _round_ste(x / scale) + zero_point
+  inside = (q >= info.min) & (q <= info.max)
+  q = jnp.where(inside, q, jax.lax.stop_gradient(jnp.clip(q, info.min, info.max)))
+  return (q - zero_point) * scale
+
+
+def _second_order_cases():
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(np.concatenate([rng.normal(0, 4, 20), [-30.0, 30.0, 0.0]]), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.05, 0.2, (x.size // 23 * 23,))[:1].reshape(()), jnp.float32)
+  return x, scale
+
+
+def _assert_second_order(loss, reference, x):
+  np.testing.assert_allclose(jax.hessian(loss)(x), jax.hessian(reference)(x), rtol=1e-6)
+  v = jnp.asarray(np.random.default_rng(3).normal(size=x.shape), x.dtype)
+  hvp = jax.jvp(jax.grad(loss), (x,), (v,))[1]
+  reference_hvp = jax.jvp(jax.grad(reference), (x,), (v,))[1]
+  np.testing.assert_allclose(hvp, reference_hvp, rtol=1e-6)
+  assert np.any(np.asarray(hvp) != 0), "a zero HVP proves nothing"
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("gradient", ["masked", "identity"])
+def test_fake_quantize_second_order_is_straight_through(dtype, gradient):
+  x, scale = _second_order_cases()
+  zero_point = jnp.asarray(3 if dtype == jnp.uint4 else -2, dtype)
+  info = _info(dtype)
+  weights = jnp.linspace(0.5, 2.0, x.size)
+
+  def loss(x):
+    return jnp.sum(weights * jq.fake_quantize(x, scale, zero_point, dtype=dtype,
+                                              gradient=gradient) ** 2)
+
+  def reference(x):
+    if gradient == "identity":
+      y = x + jax.lax.stop_gradient(jq.fake_quantize(x, scale, zero_point, dtype=dtype) - x)
+    else:
+      y = _masked_ste(x, scale, zero_point.astype(jnp.float32), info)
+    return jnp.sum(weights * y ** 2)
+
+  _assert_second_order(loss, reference, x)
+
+
+def test_fake_quantize_learnable_second_order_matches_lsq_by_hand():
+  x, scale = _second_order_cases()
+  zero_point = jnp.float32(1.0)
+  info = _info(jnp.int8)
+  weights = jnp.linspace(0.5, 2.0, x.size)
+
+  def loss(x, scale, zero_point):
+    return jnp.sum(weights * jq.fake_quantize_learnable(x, scale, zero_point) ** 2)
+
+  def reference(x, scale, zero_point):
+    return jnp.sum(weights * _masked_ste(x, scale, zero_point, info) ** 2)
+
+  args = (x, scale, zero_point)
+  got = jax.hessian(loss, argnums=(0, 1, 2))(*args)
+  want = jax.hessian(reference, argnums=(0, 1, 2))(*args)
+  # float32: (y - x) / scale cancels, so the two spellings differ in the last
+  # bits; a missing straight-through term would differ by O(1).
+  for got_row, want_row in zip(got, want):
+    for g, w in zip(got_row, want_row):
+      np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5)
+  _assert_second_order(lambda x: loss(x, scale, zero_point),
+                       lambda x: reference(x, scale, zero_point), x)
+
+
+def test_fake_quantize_dynamic_second_order_is_straight_through():
+  x, _ = _second_order_cases()
+  info = _info(jnp.int8)
+
+  def loss(x):
+    return jnp.sum(jq.fake_quantize_dynamic(x, dtype=jnp.int8) ** 2)
+
+  def reference(x):
+    _, scale, zero_point = jq.dynamic_quantize_linear(jax.lax.stop_gradient(x), dtype=jnp.int8)
+    return jnp.sum(_masked_ste(x, scale, zero_point.astype(jnp.float32), info) ** 2)
+
+  _assert_second_order(loss, reference, x)
