@@ -6,6 +6,7 @@ import functools
 import math
 
 import jax
+from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
@@ -51,11 +52,18 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
   XLA rewrites division by a broadcast operand into multiplication by its
   reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
-  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor that depends on x element-wise is no
-  broadcast, so it stays a true division; swapping in x where x is NaN leaves
-  every quotient unchanged (NaN either way) and costs one select in the fusion.
+  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor
+  that depends on x element-wise is no broadcast, so it stays a true
+  division; swapping in x where x is NaN leaves every quotient unchanged (NaN
+  either way) and costs one select in the fusion.
+
+  When x is a compile-time constant (a weight closed over by ``jit``), XLA
+  would fold ``isnan(x)`` and the select away, leaving the broadcast divisor
+  it rewrites. The optimization barrier keeps the guard opaque to the
+  simplifier; XLA drops the barrier after simplification, so the compiled
+  program is the same single fusion as for a traced x.
   """
-  return x / jnp.where(jnp.isnan(x), x, scale)
+  return x / jnp.where(jnp.isnan(lax.optimization_barrier(x)), x, scale)
 
 
 def dequantize_formula(x, scale, zero_point, *, info, output_dtype):

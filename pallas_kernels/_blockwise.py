@@ -250,6 +250,8 @@ def elementwise(
     kernel_formula = formula
     if backend == "triton":
       kernel_formula = _exact.exact(formula, divide=divide_asm)
+    elif not interpret:
+      kernel_formula = _exact.exact(formula, divide=False, rounding=False)
     present_per_byte = [per_byte[i] for i in present]
     lanes_per_byte = max(present_per_byte)
 

@@ -10,6 +10,10 @@ comparison of the fraction with 1/2. (The shorter ``(x + 2**23) - 2**23`` is
 folded to ``x`` by XLA's simplifier, which interpret mode runs through.)
 The formula itself is written once, in plain ``jnp``, and means the same on
 every backend.
+
+The same re-evaluation drops optimization barriers, which no kernel backend
+lowers: jaxquant's division places one so that XLA cannot constant-fold its
+NaN guard, and inside a kernel the operands are loads, never constants.
 """
 
 from __future__ import annotations
@@ -52,19 +56,24 @@ def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
   return quotient
 
 
-def _replacement(equation, *, divide: bool):
-  """The function replacing ``equation``'s primitive, or ``None`` to keep it."""
+def _replacement(equation, *, divide: bool, rounding: bool):
+  """The function replacing ``equation``'s primitive, or ``None`` to keep it.
+
+  The replacement returns the equation's outputs as a list.
+  """
+  if equation.primitive is lax.optimization_barrier_p:
+    return lambda *values: list(values)
   float32 = all(v.aval.dtype == np.float32 for v in equation.invars)
-  if equation.primitive is lax.round_p and float32 and (
+  if rounding and equation.primitive is lax.round_p and float32 and (
       equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
   ):
-    return round_half_to_even
+    return lambda x: [round_half_to_even(x)]
   if divide and equation.primitive is lax.div_p and float32:
-    return _divide_rn
+    return lambda x, y: [_divide_rn(x, y)]
   return None
 
 
-def _evaluate(jaxpr, consts, *args, divide: bool):
+def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
   env = {}
 
   def read(v):
@@ -76,13 +85,14 @@ def _evaluate(jaxpr, consts, *args, divide: bool):
     env[var] = value
   for equation in jaxpr.eqns:
     inputs = [read(v) for v in equation.invars]
-    replacement = _replacement(equation, divide=divide)
+    replacement = _replacement(equation, divide=divide, rounding=rounding)
     inner = equation.params.get("jaxpr")
     if replacement is not None:
-      outputs = [replacement(*inputs)]
+      outputs = replacement(*inputs)
     elif isinstance(inner, jax_core.ClosedJaxpr):
       # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...).
-      outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide)
+      outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide,
+                          rounding=rounding)
     else:
       outputs = equation.primitive.bind(*inputs, **equation.params)
       if not equation.primitive.multiple_results:
@@ -92,13 +102,17 @@ def _evaluate(jaxpr, consts, *args, divide: bool):
   return [read(v) for v in jaxpr.outvars]
 
 
-def exact(formula: Callable[..., object], *, divide: bool = True) -> Callable[..., object]:
-  """``formula`` with float32 division and round-half-to-even made exact for Triton.
+def exact(
+    formula: Callable[..., object], *, divide: bool = True, rounding: bool = True
+) -> Callable[..., object]:
+  """``formula`` as a kernel body: exact for Triton, without optimization barriers.
 
   Args:
     formula: a function of arrays built from ``jnp``/``lax`` operations.
     divide: replace float32 division by PTX ``div.rn.f32`` (CUDA only; off
       in interpret mode and on ROCm, whose ``fdiv`` lowering is already IEEE).
+    rounding: replace float32 round-half-to-even by :func:`round_half_to_even`
+      (Triton has no lowering for ``lax.round``; Mosaic has).
 
   Returns:
     A function with ``formula``'s signature and results.
@@ -108,7 +122,8 @@ def exact(formula: Callable[..., object], *, divide: bool = True) -> Callable[..
   def wrapped(*args):
     closed, out_tree = jax.make_jaxpr(formula, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
-    outputs = _evaluate(closed.jaxpr, closed.consts, *flat_args, divide=divide)
+    outputs = _evaluate(closed.jaxpr, closed.consts, *flat_args, divide=divide,
+                        rounding=rounding)
     return jax.tree.unflatten(jax.tree.structure(out_tree), outputs)
 
   return wrapped

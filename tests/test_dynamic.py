@@ -637,14 +637,10 @@ def test_negative_block_size():
     jq.dynamic_quantize_linear(X, axis=1, block_size=-2)
 
 
-
-@pytest.mark.xfail(strict=True, reason=(
-    "Known gap: when x is a compile-time constant (closed over by jax.jit), XLA may fold "
-    "isnan(x) and the select of true_divide, see a division by a broadcast and rewrite "
-    "it into a reciprocal multiply: a quotient of exactly -127.5 becomes -127.49999. "
-    "Arrays passed as arguments are exact (every other test here). Found by "
-    "benchmarks/kernels.py; data-dependent, this is the data that shows it."))
 def test_closed_over_constant_keeps_true_division():
+  # A quotient of exactly -127.5 became -127.49999 when x was closed over (XLA
+  # folded the division's NaN guard and multiplied by the reciprocal); found by
+  # benchmarks/kernels.py, and this is the data that showed it.
   rng = np.random.default_rng(0)
   for _ in range(3):  # the draws before x in benchmarks/kernels.py's first version
     rng.integers(-8, 128, (16, 4096))

@@ -1,0 +1,140 @@
+"""Closed-over constants: every op gives the bits it gives on traced arguments.
+
+A weight closed over by ``jax.jit`` is a compile-time constant, and XLA folds
+and rewrites constants: it once folded the NaN guard of jaxquant's division and
+turned ``x / scale`` into ``x * (1 / scale)``, which moves quotients that are
+exact ``.5`` ties by one ulp (x = 57.101753, scale = 0.91362804: 62.5 rounds to
+62, the reciprocal multiply gave 63). Each case runs an op three ways: its
+operands traced, x a constant with the scale traced, and everything constant;
+the inputs sit on rounding ties for their scale, where a reciprocal multiply is
+wrong for about one quotient in five.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+IMPLEMENTATIONS = ["xla", "pallas"]
+
+
+def _ties(shape, scale, seed=0):
+  """x whose quotient by ``scale`` (broadcast) is, in exact arithmetic, k + 1/2."""
+  rng = np.random.default_rng(seed)
+  k = rng.integers(-120, 120, shape) + 0.5
+  return (k * np.asarray(scale, np.float64)).astype(np.float32)
+
+
+def _scales(layout):
+  rng = np.random.default_rng(1)
+  if layout == "per-tensor":
+    return np.float32(0.91362804), {}
+  if layout == "per-axis":
+    return rng.uniform(0.3, 1.7, 64).astype(np.float32), {"axis": 1}
+  return rng.uniform(0.3, 1.7, (32, 4)).astype(np.float32), {"axis": 1, "block_size": 16}
+
+
+def _broadcast(scale, layout):
+  if layout == "blocked":
+    return np.repeat(scale, 16, axis=1)
+  return scale
+
+
+def _three_ways(op, x, scale):
+  """op(x, scale) with both traced, with x constant, and with both constant."""
+  traced = jax.jit(op)(x, scale)
+  x_constant = jax.jit(lambda scale: op(jnp.asarray(x), scale))(scale)
+  constant = jax.jit(lambda: op(jnp.asarray(x), jnp.asarray(scale)))()
+  return traced, x_constant, constant
+
+
+def _assert_all_equal(results, expected):
+  for result in results:
+    for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_reported_tie():
+  x = np.full(256, 57.101753, np.float32)
+  scale = np.float32(0.91362804)
+  results = _three_ways(lambda x, s: jq.quantize_linear(x, s, output_dtype=jnp.int8), x, scale)
+  _assert_all_equal(results, np.full(256, 62, np.int8))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layout", ["per-tensor", "per-axis", "blocked"])
+def test_quantize_linear(layout, implementation):
+  scale, options = _scales(layout)
+  x = _ties((32, 64), _broadcast(scale, layout))
+  expected = np.clip(np.rint(x / _broadcast(scale, layout)), -128, 127).astype(np.int8)
+  assert np.mean(np.rint(x * (1 / _broadcast(scale, layout))) != expected) > 0.05, (
+      "the data must tell a true division from a reciprocal multiply")
+
+  def op(x, scale):
+    return jq.quantize_linear(x, scale, output_dtype=jnp.int8, implementation=implementation,
+                              **options)
+
+  _assert_all_equal(_three_ways(op, x, scale), expected)
+
+
+@pytest.mark.parametrize("layout", ["per-tensor", "per-axis", "blocked"])
+def test_fake_quantize(layout):
+  scale, options = _scales(layout)
+  full = _broadcast(scale, layout)
+  x = _ties((32, 64), full)
+  expected = (np.clip(np.rint(x / full), -128, 127) * full).astype(np.float32)
+  _assert_all_equal(
+      _three_ways(lambda x, s: jq.fake_quantize(x, s, **options), x, scale), expected)
+  _assert_all_equal(
+      _three_ways(lambda x, s: jq.fake_quantize_learnable(x, s, jnp.zeros_like(s), **options),
+                  x, scale),
+      expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_quantized_add(implementation):
+  # b adds nothing and out_scale = 2 * a_scale: the odd a are (near) ties.
+  rng = np.random.default_rng(2)
+  a = rng.integers(-128, 128, 4096).astype(np.int8)
+  b = np.zeros(4096, np.int8)
+  out_scale = np.float32(0.91362804)
+  a_scale, b_scale = out_scale / 2, np.float32(0.0219)
+  total = a.astype(np.float32) * a_scale
+  expected = np.clip(np.rint(total / out_scale), -128, 127)
+  assert np.mean(np.rint(total * (1 / out_scale)) != expected) > 0.05, (
+      "the data must tell a true division from a reciprocal multiply")
+
+  def op(a, out_scale):
+    return jq.quantized_add(a, a_scale, None, b, b_scale, None, out_scale,
+                            implementation=implementation)
+
+  _assert_all_equal(_three_ways(op, a, out_scale), expected.astype(np.int8))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("options", [{}, {"axis": 0}, {"axis": 1, "block_size": 16}],
+                         ids=["per-tensor", "per-row", "blocked"])
+def test_dynamic_quantize(options, implementation):
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(16, 4096)).astype(np.float32)
+  eager = jq.dynamic_quantize_linear(x, dtype=jnp.int8, implementation=implementation,
+                                     **options)
+  constant = jax.jit(lambda: jq.dynamic_quantize_linear(
+      jnp.asarray(x), dtype=jnp.int8, implementation=implementation, **options))()
+  _assert_all_equal([constant], eager)
+  fake = jax.jit(lambda: jq.fake_quantize_dynamic(jnp.asarray(x), dtype=jnp.int8, **options))()
+  _assert_all_equal([fake], jq.fake_quantize_dynamic(x, dtype=jnp.int8, **options))
+
+
+def test_compiled_program_divides():
+  # The check in XLA's own terms: a closed-over x still compiles to a divide.
+  x = _ties((256,), np.float32(0.91362804))
+  compiled = jax.jit(
+      lambda s: jq.quantize_linear(jnp.asarray(x), s, output_dtype=jnp.int8)
+  ).lower(np.float32(0.91362804)).compile().as_text()
+  # An element-wise divide, not the scalar 1 / scale of a reciprocal multiply.
+  assert re.search(r"f32\[256\]\{0\} divide\(", compiled), compiled
