@@ -17,6 +17,7 @@ from typing import Literal
 
 import jax
 from jax import lax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,8 +49,17 @@ class Granularity:
     """Dimensions where a scale element covers a block of several x elements."""
     return tuple(
         d for d, (params, block) in enumerate(zip(self.param_shape, self.block_shape))
-        if params > 1 and block > 1
+        if _several(block) and _several(params)
     )
+
+
+def _several(n) -> bool:
+  """``n > 1`` for a dimension size; a symbolic one (``jax.export``) counts as several.
+
+  A split dimension is mapped over with ``jax.vmap``, which is right for any
+  number of blocks, so a batch size known only at run time needs no decision.
+  """
+  return export.is_symbolic_dim(n) or n > 1
 
 
 def _per_axis(x_shape: tuple[int, ...], axis: int) -> Granularity:
