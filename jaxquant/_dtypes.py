@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _validate
+from pallas_kernels.dequantize import decode_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +28,11 @@ class QuantizedDType:
     is_integer: integer (``True``) or low-precision float (``False``).
     min: the smallest finite value (``qmin`` for integers, ``-finfo.max`` else).
     max: the largest finite value.
-    has_nan: whether the dtype encodes NaN (float4_e2m1fn does not).
+    has_nan: whether the dtype encodes NaN (float4_e2m1fn and float6 do not).
+    as_codes: XLA has no such type (float6_e2m3fn, float6_e3m2fn: jaxlib
+      0.10.2 raises "Invalid XLA PrimitiveType"), so a JAX array can never
+      hold it: its values travel as their codes, one per uint8 byte, in
+      ml_dtypes' bit layout (``codes.view(dtype)`` in NumPy reads them).
   """
 
   dtype: np.dtype
@@ -36,10 +41,16 @@ class QuantizedDType:
   min: int | float
   max: int | float
   has_nan: bool = False
+  as_codes: bool = False
 
   @property
   def name(self) -> str:
     return self.dtype.name
+
+  @property
+  def array_dtype(self) -> np.dtype:
+    """The dtype of a JAX array holding this dtype: uint8 codes, or the dtype itself."""
+    return np.dtype(np.uint8) if self.as_codes else self.dtype
 
 
 def _integer(dtype: Any) -> QuantizedDType:
@@ -47,11 +58,12 @@ def _integer(dtype: Any) -> QuantizedDType:
   return QuantizedDType(np.dtype(dtype), info.bits, True, int(info.min), int(info.max))
 
 
-def _float(dtype: Any) -> QuantizedDType:
+def _float(dtype: Any, *, as_codes: bool = False) -> QuantizedDType:
   info = jnp.finfo(dtype)
   has_nan = bool(np.isnan(np.array(np.nan, dtype).astype(np.float32)))
   return QuantizedDType(
-      np.dtype(dtype), info.bits, False, float(info.min), float(info.max), has_nan
+      np.dtype(dtype), info.bits, False, float(info.min), float(info.max), has_nan,
+      as_codes,
   )
 
 
@@ -66,8 +78,11 @@ _QUANTIZED_DTYPES: dict[np.dtype, QuantizedDType] = {
         *map(
             _float,
             [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2,
-             jnp.float8_e5m2fnuz, jnp.float4_e2m1fn],
+             jnp.float8_e5m2fnuz],
         ),
+        _float(jnp.float6_e2m3fn, as_codes=True),
+        _float(jnp.float6_e3m2fn, as_codes=True),
+        _float(jnp.float4_e2m1fn),
     ]
 }
 
@@ -120,6 +135,25 @@ def quantized_dtype(
       info.name, error=TypeError,
   )
   return info
+
+
+def host_codes(value: Any) -> tuple[Any, np.dtype | None]:
+  """A NumPy array of a dtype XLA cannot hold, as ``(uint8 codes, dtype)``.
+
+  Anything else comes back as ``(value, None)``. The public ops call this
+  before their jit boundary, where a float6 array would otherwise fail to
+  become a JAX array; the view costs no copy.
+  """
+  if isinstance(value, (np.ndarray, np.generic)):
+    info = _QUANTIZED_DTYPES.get(value.dtype)
+    if info is not None and info.as_codes:
+      return np.asarray(value).view(np.uint8), info.dtype
+  return value, None
+
+
+def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
+  """``x`` as numbers: float32 values for codes (``info.as_codes``), else ``x`` itself."""
+  return decode_codes(x, info.dtype) if info.as_codes else x
 
 
 def float_input(function: str, argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
@@ -240,6 +274,32 @@ def _add_zero_point_32bit(
   )
 
 
+def _encode(value: jax.Array, info: QuantizedDType) -> jax.Array:
+  """The code of ``value`` rounded to nearest even on ``info``'s grid, saturated.
+
+  NaN gives +max (as float4's Cast table), +-inf and overflow +-max, -0.0 the
+  -0.0 code. Within the binade ``[2**e, 2**(e+1))`` the grid steps by
+  ``q = 2**(e - p)`` (below the smallest normal, by the subnormal step), so
+  ``round(|v| / q)`` counts steps, and the code is that count plus
+  ``2**p`` per binade below: a count that rounds up to the next binade lands
+  on its first code, so no carry needs handling. Dividing by ``q`` is a
+  multiplication by a power of two, exact in float32 and float64 alike.
+  """
+  finfo = jnp.finfo(info.dtype)
+  mantissa_bits, low = finfo.nmant, finfo.minexp  # the smallest normal is 2**low
+  value = jnp.where(jnp.isnan(value), info.max, value)
+  magnitude = jnp.minimum(jnp.abs(value), info.max)
+  steps = magnitude * 2.0 ** (mantissa_bits - low)
+  offset = jnp.zeros(value.shape, jnp.int32)
+  for exponent in range(low + 1, finfo.maxexp):
+    above = magnitude >= 2.0**exponent
+    steps = jnp.where(above, magnitude * 2.0 ** (mantissa_bits - exponent), steps)
+    offset = jnp.where(above, (exponent - low) << mantissa_bits, offset)
+  code = jnp.round(steps).astype(jnp.int32) + offset
+  sign = jnp.signbit(value).astype(jnp.int32) << (info.bits - 1)
+  return (code | sign).astype(jnp.uint8)
+
+
 def round_and_saturate(
     quotient: jax.Array,
     zero_point: jax.Array | None,
@@ -254,22 +314,34 @@ def round_and_saturate(
   done in float before the cast because XLA's cast maps NaN to 0. Floats: the
   dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
   (XLA's float8 cast does not), NaN stays NaN, or becomes +max in a dtype
-  without NaN (ONNX's float4 cast table; XLA's cast would give -0).
+  without NaN (ONNX's float4 cast table; XLA's cast would give -0). float6,
+  which XLA cannot cast to, is rounded and saturated by arithmetic (the same
+  rules as float4) and returned as uint8 codes.
 
   Args:
     quotient: ``x / scale`` in float32 (or float64), broadcast against ``zero_point``.
-    zero_point: in ``info.dtype``, or ``None`` for 0.
+    zero_point: in ``info.array_dtype`` (codes for float6), or ``None`` for 0.
     info: the target dtype's table entry.
     saturate: float8 only: clip to the finite range instead of overflowing.
 
   Returns:
-    An array of ``info.dtype``.
+    An array of ``info.array_dtype``: ``info.dtype``, or uint8 codes for float6.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxquant import _dtypes
+    >>> info = _dtypes.quantized_dtype("example", "dtype", jnp.float6_e2m3fn)
+    >>> _dtypes.round_and_saturate(jnp.array([1.0625, 1.1875, -0.0, 9.0, jnp.nan]),
+    ...                            None, info)  # 1.0, 1.25, -0.0, 7.5, 7.5
+    Array([ 8, 10, 32, 31, 31], dtype=uint8)
   """
   if not info.is_integer:
     if zero_point is not None:
       # Adding a zero point of +0 would turn a -0 quotient into +0.
-      zero_point = zero_point.astype(quotient.dtype)
+      zero_point = values(zero_point, info).astype(quotient.dtype)
       quotient = jnp.where(zero_point == 0, quotient, quotient + zero_point)
+    if info.as_codes:
+      return _encode(quotient, info)
     if saturate:
       quotient = jnp.clip(quotient, info.min, info.max)
     if not info.has_nan:

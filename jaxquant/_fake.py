@@ -82,7 +82,7 @@ def _forward(x, scale, zero_point, quantizer):
   if info.is_integer:
     quotient = jnp.round(quotient)
   if zero_point is not None:
-    quotient = quotient + zero_point.astype(quotient.dtype)
+    quotient = quotient + _dtypes.values(zero_point, info).astype(quotient.dtype)
   if not info.is_integer:
     quotient = lax.reduce_precision(
         quotient, exponent_bits=jnp.finfo(quotient.dtype).nexp,
@@ -180,10 +180,6 @@ def _apply(x, scale, zero_point, granularity, quantizer):
   )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("dtype", "axis", "block_size", "narrow_range", "gradient"),
-)
 def fake_quantize(
     x: ArrayLike,
     scale: ArrayLike,
@@ -214,9 +210,9 @@ def fake_quantize(
   at ``q_min`` and ``q_max`` pass gradient 1 (``jnp.clip`` would give 0.5),
   values rounding outside pass 0, and NaN passes 0. ``gradient="identity"``
   passes ``dy/dx = 1`` everywhere. ``scale`` and ``zero_point`` get zero
-  gradient; learn them with :func:`fake_quantize_learnable`. For float8 and
-  float4 dtypes the mask tests ``x / s + z`` rounded to the dtype's
-  significand against its finite range.
+  gradient; learn them with :func:`fake_quantize_learnable`. For float8,
+  float6 and float4 dtypes the mask tests ``x / s + z`` rounded to the
+  dtype's significand against its finite range.
 
   Args:
     x: float32, float16 or bfloat16 input.
@@ -224,9 +220,10 @@ def fake_quantize(
       the granularity as in :func:`quantize_linear` (per tensor, per axis,
       blocked, block-wise broadcast).
     zero_point: in ``dtype``, shaped like ``scale``; ``None`` means 0. A
-      Python number takes ``dtype``.
+      Python number takes ``dtype``. For float6, which XLA cannot hold: a
+      NumPy float6 array, a Python number, or uint8 codes.
     dtype: the quantized dtype: an integer type of at most 16 bits, a float8
-      type or float4_e2m1fn.
+      type, float6_e2m3fn, float6_e3m2fn or float4_e2m1fn.
     axis: the quantization axis for per-axis and blocked scales.
     block_size: block length along ``axis`` for blocked scales, else 0.
     narrow_range: integer dtypes: use ``[q_min + 1, q_max]`` (int8 in
@@ -252,12 +249,33 @@ def fake_quantize(
     Array([-128., -128.,    0.,    2.,  127.,  127.], dtype=float32)
     >>> jax.grad(lambda x: jq.fake_quantize(x, 1.0).sum())(x)
     Array([0., 1., 1., 1., 1., 0.], dtype=float32)
+    >>> jq.fake_quantize(jnp.array([0.3, -1.1, 3.9, 4.0]), 0.5, dtype=jnp.float6_e2m3fn)
+    Array([ 0.3125, -1.125 ,  3.75  ,  3.75  ], dtype=float32)
   """
+  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
+  return _fake_quantize_op(
+      x, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size,
+      narrow_range=narrow_range, gradient=gradient, zero_point_dtype=zero_point_dtype,
+  )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "dtype", "axis", "block_size", "narrow_range", "gradient", "zero_point_dtype",
+    ),
+)
+def _fake_quantize_op(
+    x, scale, zero_point, *, dtype, axis, block_size, narrow_range, gradient,
+    zero_point_dtype,
+):
   function = "fake_quantize"
   x = _dtypes.float_input(function, "x", jnp.asarray(x))
   scale = _dtypes.scale_array(function, "scale", scale)
   info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range)
-  zero_point = _linear.zero_point_array(function, "zero_point", zero_point, info.dtype)
+  zero_point = _linear.zero_point_array(
+      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+  )
   _straight_through(function, gradient)
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,

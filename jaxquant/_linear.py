@@ -20,31 +20,53 @@ import pallas_kernels
 
 
 def zero_point_array(
-    function: str, argument: str, zero_point: ArrayLike | None, dtype: np.dtype
+    function: str,
+    argument: str,
+    zero_point: ArrayLike | None,
+    dtype: np.dtype,
+    *,
+    host_dtype: np.dtype | None = None,
 ) -> jax.Array | None:
   """``zero_point`` as an array of ``dtype``; a Python number takes ``dtype``.
 
+  For a dtype XLA lacks (float6) the array holds codes: a Python number is
+  rounded to ``dtype`` as quantize rounds, and uint8 codes pass through.
+
+  Args:
+    function: the public function's name, for the message.
+    argument: the argument's name, for the message.
+    zero_point: the zero point, or ``None``.
+    dtype: the quantized dtype.
+    host_dtype: the dtype of a NumPy zero point already turned into codes by
+      :func:`_dtypes.host_codes`, else ``None``.
+
   Raises:
-    TypeError: if an array zero point has a dtype other than ``dtype``, or a
-      Python float is given for an integer ``dtype`` (it would be truncated).
+    TypeError: if an array zero point has a dtype other than ``dtype`` (or,
+      for float6, its uint8 codes), or a Python float is given for an integer
+      ``dtype`` (it would be truncated).
   """
   if zero_point is None:
     return None
+  info = _dtypes.quantized_dtype(function, argument, dtype)
   zero_point = jnp.asarray(zero_point)
-  if zero_point.weak_type:
+  if host_dtype is None and zero_point.weak_type:
     _validate.check(
-        not (jnp.issubdtype(dtype, jnp.integer)
-             and jnp.issubdtype(zero_point.dtype, jnp.floating)),
-        function, argument, f"an integer for the integer dtype {np.dtype(dtype).name}",
+        not (info.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)),
+        function, argument, f"an integer for the integer dtype {info.name}",
         "a Python float", error=TypeError,
     )
+    if info.as_codes:
+      # XLA cannot cast to float6: round the number as quantize would.
+      return _dtypes.round_and_saturate(zero_point.astype(jnp.float32), None, info)
     return zero_point.astype(dtype)
+  got = zero_point.dtype if host_dtype is None else host_dtype
+  given_as_codes = info.as_codes and host_dtype is None and got == jnp.uint8
   _validate.check(
-      zero_point.dtype == dtype, function, f"{argument}.dtype",
-      f"{np.dtype(dtype).name} (the quantized dtype)", zero_point.dtype.name,
-      error=TypeError,
+      got == info.dtype or given_as_codes, function, f"{argument}.dtype",
+      f"{info.name} (the quantized dtype){' or its uint8 codes' if info.as_codes else ''}",
+      got.name, error=TypeError,
   )
-  return zero_point
+  return _packing.from_codes(zero_point, info) if info.as_codes else zero_point
 
 
 def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -67,7 +89,9 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
+  x = _dtypes.values(x, info)
   if zero_point is not None:
+    zero_point = _dtypes.values(zero_point, info)
     if info.is_integer:
       # int32 holds every difference of <= 16-bit types exactly; 32-bit types
       # wrap around in their own width, as onnxruntime does.
@@ -88,7 +112,7 @@ def dequantize_linear(
     output_dtype: DTypeLike | None = None,
     implementation: str | None = None,
     packed_shape: tuple[int, ...] | None = None,
-    packed_dtype: DTypeLike = jnp.int4,
+    packed_dtype: DTypeLike | None = None,
 ) -> jax.Array:
   r"""Dequantizes ``x``: ONNX DequantizeLinear.
 
@@ -97,58 +121,97 @@ def dequantize_linear(
     y = (x - \mathrm{zero\_point}) \cdot \mathrm{scale}
 
   The subtraction is exact integer arithmetic (in int32; 32-bit inputs wrap
-  around in their own width), the product is formed in float32 and rounded once
-  to the output dtype. The granularity follows from the shape of ``scale``
-  (docs/numerics.md, "Granularity"): per-tensor, per-axis along ``axis``, blocked along ``axis`` with
-  ``block_size`` (a short last block is allowed), or block-wise broadcast.
+  around in their own width; float8, float6 and float4 in float32, exactly),
+  the product is formed in float32 and rounded once to the output dtype. The
+  granularity follows from the shape of ``scale`` (docs/numerics.md,
+  "Granularity"): per-tensor, per-axis along ``axis``, blocked along ``axis``
+  with ``block_size`` (a short last block is allowed), or block-wise broadcast.
 
-  4-bit data may stay packed two per byte (:func:`pack_int4`, ONNX's raw
-  layout): pass the bytes as ``x`` with ``packed_shape``; the Pallas kernel
-  then reads the bytes directly, XLA unpacks them in the same fusion.
+  Sub-byte data (int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn,
+  float6_e3m2fn) may arrive in three forms:
+
+  * as an array of its dtype (for float6, which XLA cannot hold, a NumPy
+    ``ml_dtypes`` array, read as codes before the jit boundary);
+  * packed, as ONNX stores it (:func:`pack`; ``TensorProto.raw_data``): the
+    uint8 bytes as ``x`` with ``packed_shape`` and ``packed_dtype`` (int4 if
+    not given). The Pallas kernel reads 2- and 4-bit bytes directly where no
+    byte straddles a row or a block, XLA unpacks them in the same fusion;
+    6-bit codes straddle bytes, so float6 is unpacked by XLA first;
+  * as codes, one per uint8 byte, with ``packed_dtype`` alone: what
+    :func:`quantize_linear` returns for float6, and how float6 crosses a
+    ``jax.jit`` boundary.
 
   Gradients flow to ``scale`` (``dy/dscale = x - zero_point``, summed per scale
   element); ``x`` and ``zero_point`` are integers and carry none.
 
   Args:
     x: quantized values: int2, uint2, int4, uint4, int8, uint8, int16, uint16,
-      int32, uint32, the four float8 types or float4_e2m1fn; with
-      ``packed_shape``, the uint8 bytes from :func:`pack_int4`.
+      int32, uint32, the four float8 types, float4_e2m1fn, or a NumPy
+      float6_e2m3fn or float6_e3m2fn array; with ``packed_shape``, the uint8
+      bytes from :func:`pack`; with ``packed_dtype`` alone, uint8 codes.
     scale: float32, float16, bfloat16 or float8_e8m0fnu scale.
     zero_point: same dtype and shape as ``scale`` elements; ``None`` means 0.
-      A Python number takes x's dtype.
+      A Python number takes x's dtype. For float6: a NumPy float6 array, a
+      Python number, or uint8 codes.
     axis: the quantization axis for per-axis and blocked scales.
     block_size: block length along ``axis`` for blocked scales, else 0.
     output_dtype: float32, float16 or bfloat16; default the scale's dtype
       (float32 for a float8_e8m0fnu scale).
     implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
-    packed_shape: the shape of the 4-bit array packed in ``x`` (a sequence of
-      ints: a tuple, a list, an ONNX ``TensorProto.dims``), or ``None`` when
-      ``x`` is not packed.
-    packed_dtype: with ``packed_shape``: int4, uint4 or float4_e2m1fn.
+    packed_shape: the shape of the sub-byte array packed in ``x`` (a sequence
+      of ints: a tuple, a list, an ONNX ``TensorProto.dims``), or ``None``
+      when ``x`` is not packed.
+    packed_dtype: the sub-byte dtype of packed bytes (default int4) or of
+      codes (static); ``None`` when ``x`` has its own dtype.
 
   Returns:
     An array shaped like ``x`` (or ``packed_shape``) of ``output_dtype``.
 
   Raises:
     TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point`` or
-      ``output_dtype``, or a ``packed_shape`` that is not a sequence of
-      non-negative ints.
-    ValueError: if the shapes fit no granularity, or ``axis``/``block_size`` are
-      out of range.
+      ``output_dtype``; a ``packed_dtype`` that is not a sub-byte dtype, or
+      that differs from a NumPy float6 x's; bytes or codes that are not
+      uint8; or a ``packed_shape`` that is not a sequence of non-negative
+      ints, or given with a NumPy float6 x.
+    ValueError: if the shapes fit no granularity, ``axis``/``block_size`` are
+      out of range, or packed bytes do not fill ``packed_shape``.
 
   Example:
     >>> import jax.numpy as jnp
+    >>> import ml_dtypes
+    >>> import numpy as np
     >>> import jaxquant as jq
     >>> jq.dequantize_linear(jnp.array([0, 3, 255], jnp.uint8), 0.5, 128)
     Array([-64. , -62.5,  63.5], dtype=float32)
+    >>> jq.dequantize_linear(np.array([1.5, -7.5], ml_dtypes.float6_e2m3fn), 2.0)
+    Array([  3., -15.], dtype=float32)
+    >>> codes = jnp.array([12, 63], jnp.uint8)  # the same values as float6 codes
+    >>> jq.dequantize_linear(codes, 2.0, packed_dtype=jnp.float6_e2m3fn)
+    Array([  3., -15.], dtype=float32)
   """
+  function = "dequantize_linear"
+  x, x_dtype = _dtypes.host_codes(x)
+  if x_dtype is not None:
+    _validate.check(
+        packed_shape is None, function, "packed_shape",
+        f"None for a NumPy {x_dtype.name} x (it holds values, not packed bytes)",
+        packed_shape, error=TypeError,
+    )
+    _validate.check(
+        packed_dtype is None or _dtypes._as_dtype(packed_dtype) == x_dtype, function,
+        "packed_dtype", f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype),
+        error=TypeError,
+    )
+    packed_dtype = x_dtype
+  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
   if packed_shape is not None:
     # Shapes often arrive as lists or protobuf dims (ONNX's TensorProto.dims);
     # jit's static arguments must hash, so the tuple is made here.
-    packed_shape = _validate.static_shape("dequantize_linear", "packed_shape", packed_shape)
+    packed_shape = _validate.static_shape(function, "packed_shape", packed_shape)
   return _dequantize_linear(
       x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
       implementation=implementation, packed_shape=packed_shape, packed_dtype=packed_dtype,
+      zero_point_dtype=zero_point_dtype,
   )
 
 
@@ -156,25 +219,37 @@ def dequantize_linear(
     jax.jit,
     static_argnames=(
         "axis", "block_size", "output_dtype", "implementation", "packed_shape",
-        "packed_dtype",
+        "packed_dtype", "zero_point_dtype",
     ),
 )
 def _dequantize_linear(
     x, scale, zero_point, *, axis, block_size, output_dtype, implementation, packed_shape,
-    packed_dtype,
+    packed_dtype, zero_point_dtype,
 ):
   function = "dequantize_linear"
   x = jnp.asarray(x)
   shape = x.shape
   if packed_shape is not None:
     shape = packed_shape
-    dtype = _packing.sub_byte_dtype(function, "packed_dtype", packed_dtype).dtype
-    x = _packing.packed_bytes(function, x, shape, dtype)
+    info = _packing.sub_byte_dtype(
+        function, "packed_dtype", jnp.int4 if packed_dtype is None else packed_dtype
+    )
+    x = _packing.packed_bytes(function, x, shape, info.dtype)
+  elif packed_dtype is not None:
+    info = _packing.sub_byte_dtype(function, "packed_dtype", packed_dtype)
+    accepted = ["uint8"] + ([] if info.as_codes else [info.name])
+    _validate.check(
+        x.dtype.name in accepted, function, "x.dtype",
+        f"{' or '.join(accepted)} (one code per byte) for packed_dtype={info.name} "
+        "without packed_shape", x.dtype.name, error=TypeError,
+    )
+    x = _packing.from_codes(x, info) if x.dtype == jnp.uint8 else x
   else:
-    dtype = x.dtype
-  info = _dtypes.quantized_dtype(function, "x.dtype", dtype)
+    info = _dtypes.quantized_dtype(function, "x.dtype", x.dtype)
   scale = _dtypes.scale_array(function, "scale", scale)
-  zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
+  zero_point = zero_point_array(
+      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+  )
   if output_dtype is None:
     output_dtype = (
         scale.dtype if scale.dtype in _dtypes.OUTPUT_FLOAT_DTYPES else jnp.float32
@@ -188,9 +263,15 @@ def _dequantize_linear(
   # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
   use_kernel = _dispatch.select(function, implementation) == "pallas" and math.prod(shape) > 0
   # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
-  per_byte = _packing.elements_per_byte(info.dtype) if packed_shape is not None else 1
-  if per_byte > 1 and not (use_kernel and _granularity.packable(granularity, shape, per_byte)):
-    x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
+  per_byte = 1
+  if packed_shape is not None:
+    per_byte = 8 // info.bits
+    if not (use_kernel and 8 % info.bits == 0
+            and _granularity.packable(granularity, shape, per_byte)):
+      # The kernel reads whole bytes of whole elements. 6-bit codes straddle
+      # bytes, as do 2- and 4-bit ones across a row or block edge: XLA
+      # unpacks those first, to one element (float6: one code) per byte.
+      x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
   if use_kernel:
     view = _granularity.kernel_view(
         x, [scale, zero_point], granularity, shape=shape, elements_per_byte=per_byte
@@ -235,11 +316,19 @@ def quantized_output_dtype(
     argument: str = "zero_point",
     default: DTypeLike = jnp.uint8,
     integer: bool = False,
+    zero_point_dtype: np.dtype | None = None,
 ) -> _dtypes.QuantizedDType:
-  """The zero point's dtype, else ``output_dtype``, else ``default``; a conflict is an error."""
-  if zero_point is not None and not jnp.asarray(zero_point).weak_type:
+  """The zero point's dtype, else ``output_dtype``, else ``default``; a conflict is an error.
+
+  ``zero_point_dtype`` is the dtype of a NumPy zero point that
+  :func:`_dtypes.host_codes` turned into codes (float6).
+  """
+  if zero_point_dtype is None and zero_point is not None:
+    if not jnp.asarray(zero_point).weak_type:
+      zero_point_dtype = jnp.asarray(zero_point).dtype
+  if zero_point_dtype is not None:
     info = _dtypes.quantized_dtype(
-        function, f"{argument}.dtype", jnp.asarray(zero_point).dtype, integer=integer
+        function, f"{argument}.dtype", zero_point_dtype, integer=integer
     )
     if output_dtype is not None:
       _dtypes.quantized_dtype(function, "output_dtype", output_dtype, integer=integer)
@@ -254,12 +343,6 @@ def quantized_output_dtype(
   )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "axis", "block_size", "output_dtype", "saturate", "precision", "implementation",
-    ),
-)
 def quantize_linear(
     x: ArrayLike,
     scale: ArrayLike,
@@ -286,8 +369,15 @@ def quantize_linear(
   accumulator) is rounded once to that dtype. Integer outputs saturate to the dtype's range:
   NaN gives the minimum, +inf the maximum, -inf the minimum. Float8 outputs
   round to nearest even and, with ``saturate``, clip to the finite range (also
-  +-inf); NaN stays NaN. float4_e2m1fn always saturates to +-6. Granularity as
-  in :func:`dequantize_linear`.
+  +-inf); NaN stays NaN. float4_e2m1fn always saturates to +-6, float6_e2m3fn
+  to +-7.5 and float6_e3m2fn to +-28; NaN gives +max in all three, which have
+  no NaN. Granularity as in :func:`dequantize_linear`.
+
+  XLA has no float6 type, so a JAX array cannot hold float6 values: for
+  float6 outputs the result holds their codes, one per uint8 byte in
+  ml_dtypes' bit layout (``np.asarray(y).view(ml_dtypes.float6_e2m3fn)``
+  reads them); :func:`dequantize_linear` takes them with ``packed_dtype=``,
+  :func:`pack` packs them with ``dtype=``.
 
   The output is integer or low-precision float and carries no gradient; train
   through ``fake_quantize`` instead.
@@ -296,7 +386,8 @@ def quantize_linear(
     x: float32, float16, bfloat16 or int32 input.
     scale: float32, float16, bfloat16 or float8_e8m0fnu scale.
     zero_point: the output's zero point, in the quantized dtype; ``None``
-      means 0. A Python number takes the output dtype.
+      means 0. A Python number takes the output dtype. A float6 zero point is
+      a NumPy float6 array or a Python number (rounded to it as x is).
     axis: the quantization axis for per-axis and blocked scales.
     block_size: block length along ``axis`` for blocked scales, else 0.
     output_dtype: the quantized dtype when ``zero_point`` is ``None`` or a
@@ -308,7 +399,7 @@ def quantize_linear(
 
   Returns:
     An array shaped like ``x`` of the zero point's dtype, else ``output_dtype``,
-    else uint8.
+    else uint8; for float6, uint8 codes of it.
 
   Raises:
     TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point``,
@@ -321,15 +412,42 @@ def quantize_linear(
     >>> import jaxquant as jq
     >>> jq.quantize_linear(jnp.array([-2.5, 0.5, 1.5, 1e9]), 1.0, jnp.int8(0))
     Array([ -2,   0,   2, 127], dtype=int8)
+    >>> codes = jq.quantize_linear(jnp.array([0.3, -1.1, 1e9]), 0.5,
+    ...                            output_dtype=jnp.float6_e2m3fn)
+    >>> codes  # 0.625, -2.25 and 7.5 (saturated), as float6_e2m3fn codes
+    Array([ 5, 49, 31], dtype=uint8)
   """
+  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
+  return _quantize_linear(
+      x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
+      saturate=saturate, precision=precision, implementation=implementation,
+      zero_point_dtype=zero_point_dtype,
+  )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "axis", "block_size", "output_dtype", "saturate", "precision", "implementation",
+        "zero_point_dtype",
+    ),
+)
+def _quantize_linear(
+    x, scale, zero_point, *, axis, block_size, output_dtype, saturate, precision,
+    implementation, zero_point_dtype,
+):
   function = "quantize_linear"
   x = jnp.asarray(x)
   if x.dtype != jnp.int32:
     x = _dtypes.float_input(function, "x", x, also="int32")
   scale = _dtypes.scale_array(function, "scale", scale)
   saturate = _validate.static_bool(function, "saturate", saturate)
-  info = quantized_output_dtype(function, zero_point, output_dtype)
-  zero_point = zero_point_array(function, "zero_point", zero_point, info.dtype)
+  info = quantized_output_dtype(
+      function, zero_point, output_dtype, zero_point_dtype=zero_point_dtype
+  )
+  zero_point = zero_point_array(
+      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+  )
   precision = (_dtypes.division_precision(scale.dtype) if precision is None
                else _dtypes.float_dtype(function, "precision", precision))
   granularity = _granularity.resolve(
@@ -342,8 +460,8 @@ def quantize_linear(
   if _dispatch.select(function, implementation) == "pallas" and x.size:
     view = _granularity.kernel_view(x, [scale, zero_point], granularity)
     return view.restore(pallas_kernels.quantize(
-        view.x, *view.params, formula=formula, output_dtype=info.dtype
+        view.x, *view.params, formula=formula, output_dtype=info.array_dtype
     ))
   return _granularity.apply_blockwise(
-      formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
+      formula, x, [scale, zero_point], granularity, result_dtype=info.array_dtype
   )

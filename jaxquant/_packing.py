@@ -1,12 +1,25 @@
 """Sub-byte values packed into bytes, in the ONNX TensorProto raw layout.
 
-A dtype of ``bits < 8`` bits (from the dtype table: int2 and uint2 take 2,
-int4, uint4 and float4_e2m1fn 4) stores ``8 // bits`` elements per byte.
-Element ``k`` of the flattened array sits in byte ``k // (8 // bits)`` at bit
-``bits * (k % (8 // bits))``: the first element in the lowest bits. A last
-byte that is not full holds zero bits above its elements. These are the bytes
-``onnx.numpy_helper.from_array`` writes to ``raw_data`` (its ``_pack_2bitx4``
-and ``_pack_4bitx2``); ``docs/numerics.md`` states the contract.
+A dtype of ``bits < 8`` bits (from the dtype table: int2 and uint2 take 2;
+int4, uint4 and float4_e2m1fn 4; float6_e2m3fn and float6_e3m2fn 6) is stored
+as one LSB-first bit stream: bit ``t`` of element ``k`` of the flattened
+array is bit ``bits * k + t`` of the stream, and bit ``j`` of the stream is
+bit ``j % 8`` of byte ``j // 8``. That is ``8 // bits`` elements per byte,
+the first in the lowest bits, for 2 and 4 bits, and four 6-bit elements in
+three bytes, straddling byte boundaries, for float6. The stream takes
+``ceil(n * bits / 8)`` bytes; the bits after the last element are zero.
+These are the bytes ``onnx.numpy_helper.from_array`` writes to ``raw_data``
+(its ``_pack_2bitx4``, ``_pack_4bitx2`` and ``_pack_6bit``);
+``docs/numerics.md`` states the contract.
+
+One implementation serves every width: the stream repeats every
+``lcm(bits, 8)`` bits, a group of ``lcm(bits, 8) / bits`` elements in
+``lcm(bits, 8) / 8`` bytes, so elements are gathered a group at a time into
+one integer and cut into bytes (and back).
+
+XLA has no float6 type, so float6 elements are uint8 codes on both sides
+(:attr:`_dtypes.QuantizedDType.as_codes`); :func:`pack` also takes the uint8
+codes of any sub-byte dtype, one per byte, with ``dtype=``.
 """
 
 from __future__ import annotations
@@ -24,9 +37,12 @@ import numpy as np
 from jaxquant import _dtypes
 from jaxquant import _validate
 
-# The dtype table's rows stored below a byte, in the table's order.
-_SUB_BYTE = tuple(info for info in _dtypes._QUANTIZED_DTYPES.values() if info.bits < 8)
-# The unsigned dtype of each width: bit patterns cross between it and uint8.
+# The dtype table's rows stored below a byte, narrowest first.
+_SUB_BYTE = tuple(sorted(
+    (info for info in _dtypes._QUANTIZED_DTYPES.values() if info.bits < 8),
+    key=lambda info: info.bits,
+))
+# The unsigned dtype of each width that XLA has: bit patterns cross between it and uint8.
 _UNSIGNED = {
     info.bits: info.dtype for info in _SUB_BYTE if info.is_integer and info.min == 0
 }
@@ -37,7 +53,8 @@ def _either(names: Sequence[str]) -> str:
 
 
 def sub_byte_dtype(
-    function: str, argument: str, dtype: DTypeLike, *, bits: int | None = None
+    function: str, argument: str, dtype: DTypeLike, *, bits: int | None = None,
+    also: str = "",
 ) -> _dtypes.QuantizedDType:
   """Looks ``dtype`` up in the dtype table and checks that it packs below a byte.
 
@@ -46,6 +63,7 @@ def sub_byte_dtype(
     argument: the argument's name, for the message.
     dtype: the dtype to check.
     bits: accept only this width (4 for :func:`pack_int4`); default any width below 8.
+    also: what else the caller accepts, appended to the message.
 
   Returns:
     The dtype's table entry.
@@ -56,62 +74,146 @@ def sub_byte_dtype(
   info = _dtypes.quantized_dtype(function, argument, dtype)
   allowed = [q for q in _SUB_BYTE if bits is None or q.bits == bits]
   _validate.check(
-      info in allowed, function, argument, _either([q.name for q in allowed]), info.name,
+      info in allowed, function, argument,
+      _either([q.name for q in allowed]) + (f" ({also})" if also else ""), info.name,
       error=TypeError,
   )
   return info
 
 
-def elements_per_byte(dtype: DTypeLike) -> int:
-  """How many elements of the sub-byte ``dtype`` one byte holds: ``8 // bits``."""
-  return 8 // _dtypes.quantized_dtype("elements_per_byte", "dtype", dtype).bits
+def packed_size(size: int, bits: int) -> int:
+  """Bytes of ``size`` packed elements of ``bits`` bits: ``ceil(size * bits / 8)``."""
+  return -(-size * bits // 8)
 
 
-def _pack(x: jax.Array, bits: int) -> jax.Array:
-  per_byte = 8 // bits
-  codes = lax.bitcast_convert_type(x.reshape(-1), _UNSIGNED[bits]).astype(jnp.uint8)
-  codes = jnp.pad(codes, (0, -x.size % per_byte)).reshape(-1, per_byte)
-  packed = codes[:, 0]
-  for j in range(1, per_byte):
-    packed = packed | (codes[:, j] << (bits * j))
-  return packed
+def _group(bits: int) -> tuple[int, int, type]:
+  """Elements and bytes per repeat of the stream, and an integer type holding one."""
+  group_bits = math.lcm(bits, 8)
+  return group_bits // bits, group_bits // 8, jnp.uint8 if group_bits == 8 else jnp.uint32
 
 
-@jax.jit
-def pack(x: ArrayLike) -> jax.Array:
-  r"""Packs a sub-byte array into bytes, as ONNX stores int2, int4 and float4.
+def to_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
+  """The uint8 codes of ``x``: its bit patterns, or, for ``info.as_codes``, x masked to them."""
+  if info.as_codes or x.dtype == jnp.uint8:
+    return x & jnp.uint8((1 << info.bits) - 1)
+  return lax.bitcast_convert_type(x, _UNSIGNED[info.bits]).astype(jnp.uint8)
+
+
+def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
+  """uint8 codes (bits above ``info.bits`` ignored) as an array of ``info.array_dtype``."""
+  x = x & jnp.uint8((1 << info.bits) - 1)
+  if info.as_codes:
+    return x
+  return lax.bitcast_convert_type(x.astype(_UNSIGNED[info.bits]), info.dtype)
+
+
+def _pack_codes(x: jax.Array, bits: int) -> jax.Array:
+  """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
+  per_group, group_bytes, word = _group(bits)
+  size = x.size
+  x = jnp.pad(x.reshape(-1), (0, -size % per_group)).reshape(-1, per_group).astype(word)
+  groups = x[:, 0]
+  for i in range(1, per_group):
+    groups = groups | (x[:, i] << (bits * i))
+  packed = jnp.stack(
+      [((groups >> (8 * j)) & 0xFF).astype(jnp.uint8) for j in range(group_bytes)], axis=-1
+  )
+  # ONNX stops at the last byte holding an element's bits, inside the group.
+  return packed.reshape(-1)[:packed_size(size, bits)]
+
+
+def _unpack_codes(packed: jax.Array, size: int, bits: int) -> jax.Array:
+  """The first ``size`` uint8 codes in the bit stream ``packed`` (1-D bytes)."""
+  per_group, group_bytes, word = _group(bits)
+  groups_count = -(-size // per_group)
+  packed = jnp.pad(packed, (0, groups_count * group_bytes - packed.size))
+  packed = packed.reshape(groups_count, group_bytes).astype(word)
+  groups = packed[:, 0]
+  for j in range(1, group_bytes):
+    groups = groups | (packed[:, j] << (8 * j))
+  mask = (1 << bits) - 1
+  x = jnp.stack([(groups >> (bits * i)) & mask for i in range(per_group)], axis=-1)
+  return x.reshape(-1)[:size].astype(jnp.uint8)
+
+
+def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
+  r"""Packs a sub-byte array into bytes, as ONNX stores int2, int4, float4 and float6.
 
   .. math::
 
-    \mathrm{packed}[i] = \sum_{j=0}^{n-1} 2^{b j} \, \mathrm{bits}(x_{n i + j}),
-    \qquad n = 8 / b
+    \mathrm{packed}[i] = \left\lfloor 2^{-8 i} \sum_k 2^{b k} c_k
+      \right\rfloor \bmod 2^8
 
-  over the flattened array, where :math:`b` is the dtype's width: four int2 or
-  uint2 elements per byte (element ``4i`` in bits 0-1, ``4i + 1`` in bits 2-3,
-  ...), two int4, uint4 or float4_e2m1fn elements per byte (element ``2i`` in
-  the low nibble). A last byte that is not full gets zero bits above its
-  elements. These are the bytes of ONNX's ``TensorProto.raw_data``
-  (``docs/numerics.md``). Integer data carries no gradient.
+  over the flattened array, where :math:`c_k` is the :math:`b`-bit code (bit
+  pattern) of element :math:`k` and :math:`b` the dtype's width: one LSB-first
+  bit stream. That is four int2 or uint2 elements per byte (element ``4i`` in
+  bits 0-1, ``4i + 1`` in bits 2-3, ...), two int4, uint4 or float4_e2m1fn
+  elements per byte (element ``2i`` in the low nibble), and four float6
+  elements in three bytes (elements ``4i + 1`` and ``4i + 2`` straddle byte
+  boundaries). The bits after the last element are zero. These are the
+  bytes of ONNX's ``TensorProto.raw_data`` (``docs/numerics.md``). Integer
+  data carries no gradient.
+
+  XLA has no float6 type: pass a NumPy float6 array (``ml_dtypes``), or its
+  uint8 codes with ``dtype=`` (what :func:`quantize_linear` returns for float6).
+  The uint8 codes of the other sub-byte dtypes, one per byte, pack the same way.
 
   Args:
-    x: an int2, uint2, int4, uint4 or float4_e2m1fn array of any shape.
+    x: an int2, uint2, int4, uint4 or float4_e2m1fn array, or a NumPy
+      float6_e2m3fn or float6_e3m2fn array, of any shape; or, with ``dtype``,
+      uint8 codes of ``dtype`` (bits above its width are ignored).
+    dtype: the sub-byte dtype of uint8 codes in ``x`` (static); ``None``
+      takes x's dtype.
 
   Returns:
-    A 1-D uint8 array of ``ceil(x.size / n)`` bytes.
+    A 1-D uint8 array of ``ceil(x.size * b / 8)`` bytes.
 
   Raises:
-    TypeError: if ``x`` is not of a sub-byte dtype.
+    TypeError: if ``x`` is not of a sub-byte dtype (and ``dtype`` is not
+      given), or ``dtype`` is not a sub-byte dtype, or, with ``dtype``, ``x``
+      is neither uint8 codes nor of ``dtype``.
 
   Example:
     >>> import jax.numpy as jnp
+    >>> import ml_dtypes
+    >>> import numpy as np
     >>> import jaxquant as jq
     >>> jq.pack(jnp.array([1, -2, 0, -1, 1], jnp.int2))  # 0b11_00_10_01, 0b01
     Array([201,   1], dtype=uint8)
     >>> jq.pack(jnp.array([1, -1, 7], jnp.int4))
     Array([241,   7], dtype=uint8)
+    >>> jq.pack(np.array([1.0, -7.5, 0.5], ml_dtypes.float6_e2m3fn))  # codes 8, 63, 4
+    Array([200,  79,   0], dtype=uint8)
+    >>> jq.pack(jnp.array([8, 63, 4], jnp.uint8), dtype=jnp.float6_e2m3fn)
+    Array([200,  79,   0], dtype=uint8)
   """
+  function = "pack"
+  x, host_dtype = _dtypes.host_codes(x)
+  if host_dtype is not None:
+    _validate.check(
+        dtype is None or _dtypes._as_dtype(dtype) == host_dtype, function, "dtype",
+        f"None or x's dtype {host_dtype.name}", _dtypes._name(dtype), error=TypeError,
+    )
+    dtype = host_dtype
+  return _pack(x, dtype=dtype, function=function)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "function", "bits"))
+def _pack(x, *, dtype, function, bits=None):
   x = jnp.asarray(x)
-  return _pack(x, sub_byte_dtype("pack", "x.dtype", x.dtype).bits)
+  if dtype is None:
+    info = sub_byte_dtype(
+        function, "x.dtype", x.dtype, bits=bits,
+        also="" if bits else "or uint8 codes with dtype=",
+    )
+  else:
+    info = sub_byte_dtype(function, "dtype", dtype, bits=bits)
+    accepted = ["uint8"] + ([] if info.as_codes else [info.name])
+    _validate.check(
+        x.dtype.name in accepted, function, "x.dtype",
+        f"{' or '.join(accepted)} for dtype={info.name}", x.dtype.name, error=TypeError,
+    )
+  return _pack_codes(to_codes(x, info), info.bits)
 
 
 def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
@@ -119,30 +221,36 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
 
   .. math::
 
-    x_{n i + j} = \left\lfloor \mathrm{packed}[i] / 2^{b j} \right\rfloor \bmod 2^b,
-    \qquad n = 8 / b, \; 0 \le j < n
+    c_k = \left\lfloor 2^{-b k} \sum_i 2^{8 i} \, \mathrm{packed}[i]
+      \right\rfloor \bmod 2^b
 
   read as ``dtype``'s bit patterns of :math:`b` bits (int2 and int4 are two's
-  complement); bits past ``prod(shape)`` elements are ignored.
+  complement); bits past ``prod(shape)`` elements are ignored. XLA has no
+  float6 type, so float6 comes back as its uint8 codes, one per byte
+  (``np.asarray(codes).view(ml_dtypes.float6_e2m3fn)`` reads them;
+  :func:`dequantize_linear` takes them with ``packed_dtype=``).
 
   Args:
-    packed: a 1-D uint8 array of ``ceil(prod(shape) / n)`` bytes.
+    packed: a 1-D uint8 array of ``ceil(prod(shape) * b / 8)`` bytes.
     shape: the shape of the unpacked array (static).
-    dtype: int2, uint2, int4, uint4 or float4_e2m1fn (static).
+    dtype: int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn or
+      float6_e3m2fn (static).
 
   Returns:
-    An array of ``shape`` and ``dtype``.
+    An array of ``shape`` and ``dtype``; uint8 codes for float6.
 
   Raises:
     TypeError: if ``packed`` is not uint8, ``dtype`` is not a sub-byte dtype or
       ``shape`` is not a sequence of non-negative ints.
-    ValueError: if ``packed`` does not hold ``ceil(prod(shape) / n)`` bytes.
+    ValueError: if ``packed`` does not hold ``ceil(prod(shape) * b / 8)`` bytes.
 
   Example:
     >>> import jax.numpy as jnp
     >>> import jaxquant as jq
     >>> jq.unpack(jnp.array([201, 1], jnp.uint8), (5,), jnp.int2)
     Array([1, -2, 0, -1, 1], dtype=int2)
+    >>> jq.unpack(jnp.array([200, 79, 0], jnp.uint8), (3,), jnp.float6_e2m3fn)
+    Array([ 8, 63,  4], dtype=uint8)
   """
   function = "unpack"
   return _unpack(
@@ -151,7 +259,6 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
   )
 
 
-@jax.jit
 def pack_int4(x: ArrayLike) -> jax.Array:
   r"""Packs a 4-bit array two elements per byte: :func:`pack` for 4-bit dtypes only.
 
@@ -161,7 +268,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
 
   over the flattened array: element ``2i`` in the low nibble, ``2i + 1`` in the
   high nibble; an odd length gets a zero high nibble in its last byte. Kept for
-  code written before :func:`pack`, which also packs int2 and uint2.
+  code written before :func:`pack`, which also packs int2, uint2 and float6.
 
   Args:
     x: an int4, uint4 or float4_e2m1fn array of any shape.
@@ -178,8 +285,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
     >>> jq.pack_int4(jnp.array([1, -1, 7], jnp.int4))
     Array([241,   7], dtype=uint8)
   """
-  x = jnp.asarray(x)
-  return _pack(x, sub_byte_dtype("pack_int4", "x.dtype", x.dtype, bits=4).bits)
+  return _pack(x, dtype=None, function="pack_int4", bits=4)
 
 
 def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
@@ -191,7 +297,7 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     x_{2i+1} = \lfloor \mathrm{packed}[i] / 16 \rfloor
 
   read as ``dtype``'s bit patterns (int4 is two's complement). Kept for code
-  written before :func:`unpack`, which also unpacks int2 and uint2.
+  written before :func:`unpack`, which also unpacks int2, uint2 and float6.
 
   Args:
     packed: a 1-D uint8 array of ``ceil(prod(shape) / 2)`` bytes.
@@ -225,14 +331,15 @@ def packed_bytes(
 
   Raises:
     TypeError: if ``packed`` is not uint8.
-    ValueError: if ``packed`` is not 1-D with ``ceil(prod(shape) / (8 // bits))`` bytes.
+    ValueError: if ``packed`` is not 1-D with ``ceil(prod(shape) * bits / 8)`` bytes.
   """
   packed = jnp.asarray(packed)
   _validate.check(
       packed.dtype == jnp.uint8, function, "packed.dtype", "uint8", packed.dtype.name,
       error=TypeError,
   )
-  size = -(-math.prod(shape) // elements_per_byte(dtype))
+  bits = _dtypes.quantized_dtype(function, "dtype", dtype).bits
+  size = packed_size(math.prod(shape), bits)
   _validate.check(
       packed.shape == (size,), function, "packed.shape",
       f"({size},) to unpack into shape {shape}", packed.shape,
@@ -241,12 +348,13 @@ def packed_bytes(
 
 
 def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
-  """The sub-byte array of ``shape`` and ``dtype`` stored in ``packed`` (already checked)."""
-  bits = 8 // elements_per_byte(dtype)
-  mask = (1 << bits) - 1
-  codes = jnp.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], axis=-1)
-  codes = codes.reshape(-1)[:math.prod(shape)].astype(_UNSIGNED[bits])
-  return lax.bitcast_convert_type(codes, dtype).reshape(shape)
+  """The sub-byte array of ``shape`` stored in ``packed`` (already checked).
+
+  Returns:
+    An array of ``dtype``, or of uint8 codes for a dtype XLA lacks (float6).
+  """
+  info = _dtypes.quantized_dtype("unpacked", "dtype", dtype)
+  return from_codes(_unpack_codes(packed, math.prod(shape), info.bits), info).reshape(shape)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "function"))

@@ -5,7 +5,9 @@ ONNX rules live in one place; this module contributes the layout: scales and
 zero points enter the kernel at their own size and broadcast inside a tile,
 and sub-byte data may arrive packed (ONNX order, the output of ``jaxquant.pack``:
 two 4-bit or four 2-bit values per byte) and is decoded in the kernel, so HBM
-holds half a byte per 4-bit weight.
+holds half a byte per 4-bit weight. float6, which XLA cannot hold, arrives as
+uint8 codes, one per byte (its packed codes straddle bytes, so jaxquant unpacks
+them first), and the formula decodes them with :func:`decode_codes`.
 """
 
 from __future__ import annotations
@@ -35,19 +37,31 @@ def decode_codes(codes: jax.Array, dtype: np.dtype) -> jax.Array:
 
   .. math::
 
-    \mathrm{int}b(c) = (c \oplus 2^{b-1}) - 2^{b-1}, \qquad \mathrm{uint}b(c) = c
+    \mathrm{int}b(c) = (c \oplus 2^{b-1}) - 2^{b-1}, \qquad \mathrm{uint}b(c) = c,
 
-  Arithmetic instead of a bitcast to a sub-byte type, which neither Mosaic nor
-  Triton can load from registers: int2 and int4 are two's complement,
-  float4_e2m1fn is sign, 2 exponent bits (bias 1) and 1 mantissa bit,
-  subnormal at exponent 0.
+    \mathrm{float}(c) = (-1)^s \cdot
+      \begin{cases}
+        m \cdot 2^{1 - \beta - p} & e = 0 \\
+        (2^p + m) \cdot 2^{e - \beta - p} & e > 0
+      \end{cases}
+
+  where a float code holds the sign :math:`s`, then the exponent field
+  :math:`e`, then :math:`p` mantissa bits :math:`m`, and :math:`\beta` is the
+  exponent bias. Arithmetic instead of a bitcast to a sub-byte type, which
+  neither Mosaic nor Triton can load from registers (and XLA has no float6
+  type at all): int2 and int4 are two's complement; the floats have no inf
+  or NaN, so every code is a number: float4_e2m1fn (:math:`p = 1`, bias 1),
+  float6_e2m3fn (:math:`p = 3`, bias 1), float6_e3m2fn (:math:`p = 2`, bias 3),
+  all with subnormals at :math:`e = 0` and a -0.0 code. Every product is of
+  small integers and powers of two, so the float32 result is exact.
 
   Args:
-    codes: an integer array of codes of ``dtype``'s width.
-    dtype: one of :data:`PACKED_DTYPES` (static).
+    codes: an integer array of codes of ``dtype``'s width (bits above it must
+      be 0).
+    dtype: one of :data:`PACKED_DTYPES`, float6_e2m3fn or float6_e3m2fn (static).
 
   Returns:
-    int32 values for int2, uint2, int4 and uint4; float32 for float4_e2m1fn.
+    int32 values for int2, uint2, int4 and uint4; float32 for the float types.
 
   Example:
     >>> import jax.numpy as jnp
@@ -55,19 +69,28 @@ def decode_codes(codes: jax.Array, dtype: np.dtype) -> jax.Array:
     >>> from pallas_kernels.dequantize import decode_codes
     >>> decode_codes(jnp.arange(4, dtype=jnp.uint8), np.dtype(jnp.int2))
     Array([ 0,  1, -2, -1], dtype=int32)
+    >>> decode_codes(jnp.array([1, 9, 31, 32], jnp.uint8), np.dtype(jnp.float6_e2m3fn))
+    Array([ 0.125,  1.125,  7.5  , -0.   ], dtype=float32)
   """
   codes = codes.astype(jnp.int32)
-  if dtype != np.dtype(jnp.float4_e2m1fn):
+  if jnp.issubdtype(dtype, jnp.integer):
     if jnp.iinfo(dtype).min == 0:
       return codes
     sign = 1 << (PACKED_DTYPES[dtype] - 1)
     return (codes ^ sign) - sign
-  exponent, mantissa = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
-  magnitude = jnp.where(
-      exponent == 0, mantissa * 0.5,
-      (2 + mantissa) * (1 << exponent).astype(jnp.float32) * 0.25,
+  info = jnp.finfo(dtype)
+  mantissa_bits, bias = info.nmant, 1 - info.minexp
+  exponent = (codes >> mantissa_bits) & ((1 << info.nexp) - 1)
+  mantissa = (codes & ((1 << mantissa_bits) - 1)).astype(jnp.float32)
+  # In units of the subnormal step 2**(1 - bias - p): m for subnormals,
+  # (2**p + m) * 2**(e - 1) for normal numbers.
+  units = jnp.where(
+      exponent == 0, mantissa,
+      (2**mantissa_bits + mantissa)
+      * (1 << jnp.maximum(exponent - 1, 0)).astype(jnp.float32),
   )
-  return jnp.where(codes >= 8, -magnitude, magnitude)
+  magnitude = units * np.float32(2.0 ** (1 - bias - mantissa_bits))
+  return jnp.where(codes >= 1 << (info.bits - 1), -magnitude, magnitude)
 
 
 def decode_nibbles(nibbles: jax.Array, dtype: np.dtype) -> jax.Array:

@@ -34,10 +34,14 @@ from test_linear import assert_bits_equal
 QUANTIZED_DTYPES = [
     jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16,
     jnp.uint16, jnp.int32, jnp.uint32, jnp.float8_e4m3fn, jnp.float8_e4m3fnuz,
-    jnp.float8_e5m2, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn,
+    jnp.float8_e5m2, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn, jnp.float6_e2m3fn,
+    jnp.float6_e3m2fn,
 ]
 FOUR_BIT_DTYPES = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
 SUB_BYTE_DTYPES = [jnp.int2, jnp.uint2, *FOUR_BIT_DTYPES]
+# XLA has no float6 type: its values are NumPy arrays here and uint8 codes on
+# the device (jaxquant reads the NumPy arrays as codes before its jit boundary).
+FLOAT6_DTYPES = [jnp.float6_e2m3fn, jnp.float6_e3m2fn]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INTEGER_DTYPES = [jnp.int4, jnp.uint4, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16]
 
@@ -77,7 +81,7 @@ def _quantized_values(rng, shape, dtype):
     return jnp.asarray(rng.integers(info.min, info.max, shape, endpoint=True), dtype)
   values = rng.normal(0, info.max / 8, shape).astype(np.float32)
   values.reshape(-1)[::7] = np.nan
-  return jnp.asarray(values).astype(dtype)
+  return values.astype(dtype) if info.as_codes else jnp.asarray(values).astype(dtype)
 
 
 def _float_values(rng, shape, dtype, scale):
@@ -102,7 +106,14 @@ def _zero_point(rng, shape, dtype):
   if info.is_integer:
     low, high = max(info.min, -100), min(info.max, 100)
     return jnp.asarray(rng.integers(low, high, shape, endpoint=True), dtype)
-  return jnp.asarray(rng.choice([0.0, 1.0, -2.0], shape).astype(np.float32)).astype(dtype)
+  values = rng.choice([0.0, 1.0, -2.0], shape).astype(np.float32)
+  return values.astype(dtype) if info.as_codes else jnp.asarray(values).astype(dtype)
+
+
+def _on_device(a):
+  """A NumPy float6 array as the uint8 codes a kernel sees; anything else as it is."""
+  codes, host_dtype = _dtypes.host_codes(a)
+  return a if host_dtype is None else jnp.asarray(codes)
 
 
 # --- the public ops: implementation="pallas" == "xla", bit for bit ------------------
@@ -127,7 +138,7 @@ def test_dequantize_matches_xla(layout, dtype, output_dtype, with_zero_point, se
 
 @few
 @hypothesis.given(
-    layout=layouts(min_rank=1), dtype=st.sampled_from(SUB_BYTE_DTYPES),
+    layout=layouts(min_rank=1), dtype=st.sampled_from(SUB_BYTE_DTYPES + FLOAT6_DTYPES),
     output_dtype=st.sampled_from(FLOAT_DTYPES), seed=st.integers(0, 2**32 - 1),
 )
 def test_dequantize_packed_matches_xla(layout, dtype, output_dtype, seed):
@@ -297,11 +308,13 @@ BACKEND_TILINGS = [("tpu", (32, 128)), ("triton", (2, 64))]
 
 def _kernel_operands(rng, shape, dtype, scale_shape):
   x = _quantized_values(rng, shape, dtype)
-  return x, _scale(rng, scale_shape), _zero_point(rng, scale_shape, dtype)
+  zero_point = _zero_point(rng, scale_shape, dtype)
+  return _on_device(x), _scale(rng, scale_shape), _on_device(zero_point)
 
 
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn,
+                                   *FLOAT6_DTYPES])
 @pytest.mark.parametrize("shape, scale_shape", [
     ((70, 300), (1, 300)),       # per column, ragged lanes
     ((5, 70, 33), (1, 70, 1)),   # per middle axis
@@ -342,7 +355,8 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
 
 
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn,
+                                   *FLOAT6_DTYPES])
 def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   # On Triton the formula runs through _exact's rewrite (jnp.round has no
   # Triton lowering): ties and their neighbours must still round as XLA does.
@@ -352,7 +366,7 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   info = _dtypes.quantized_dtype("test", "dtype", dtype)
   options = {"formula": functools.partial(_linear.quantize_formula, info=info,
                                           precision=np.dtype(np.float32), saturate=True),
-             "output_dtype": info.dtype}
+             "output_dtype": info.array_dtype}
   assert_bits_equal(
       pallas_kernels.quantize(x, scale, None, backend=backend, interpret=True,
                               max_block=max_block, **options),
@@ -521,6 +535,16 @@ LOWERING_CASES = {
     "dequantize float8_e4m3fn per-tensor -> bf16": (
         lambda x: jq.dequantize_linear(x, jnp.bfloat16(2), implementation=P),
         (jnp.zeros((33, 3, 129), jnp.float8_e4m3fn),)),
+    "dequantize float6_e2m3fn codes per-row -> bf16": (
+        lambda x, s, z: jq.dequantize_linear(x, s, z, axis=0, output_dtype=jnp.bfloat16,
+                                             packed_dtype=jnp.float6_e2m3fn,
+                                             implementation=P),
+        (jnp.zeros((300, 77), jnp.uint8), jnp.ones((300,)), jnp.zeros((300,), jnp.uint8))),
+    "dequantize packed float6_e3m2fn blocked 32": (
+        lambda x, s: jq.dequantize_linear(x, s, axis=1, block_size=32,
+                                          packed_shape=(256, 4096),
+                                          packed_dtype=jnp.float6_e3m2fn, implementation=P),
+        (jnp.zeros((256 * 4096 * 6 // 8,), jnp.uint8), jnp.ones((256, 128)))),
     "quantize f32 -> int8 per-column": (
         lambda x, s: jq.quantize_linear(x, s, jnp.zeros(4100, jnp.int8), implementation=P),
         (jnp.zeros((1000, 4100)), jnp.ones((4100,)))),
@@ -531,6 +555,14 @@ LOWERING_CASES = {
         lambda x, s: jq.quantize_linear(x, s, output_dtype=jnp.int4, axis=1, block_size=128,
                                         implementation=P),
         (jnp.zeros((64, 4096)), jnp.ones((64, 32)))),
+    "quantize f32 -> float6_e2m3fn blocked 32": (
+        lambda x, s: jq.quantize_linear(x, s, output_dtype=jnp.float6_e2m3fn, axis=1,
+                                        block_size=32, implementation=P),
+        (jnp.zeros((64, 4096)), jnp.ones((64, 128)))),
+    "quantize bf16 -> float6_e3m2fn per-tensor, zero point": (
+        lambda x: jq.quantize_linear(x, 2.0, np.float32(1.5).astype(jnp.float6_e3m2fn),
+                                     implementation=P),
+        (jnp.zeros((129, 257), jnp.bfloat16),)),
     "quantized_add int8 + uint8 broadcast": (
         lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(1), b, 0.2, jnp.uint8(3), 0.3,
                                       jnp.int8(0), implementation=P),

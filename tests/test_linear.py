@@ -13,6 +13,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import _granularity
+from jaxquant import _linear
 
 INTEGER_DTYPES = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
                   jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
@@ -444,7 +445,9 @@ class TransformationsTest(chex.TestCase):
     for seed in range(3):
       model(*_case("blocked-ragged", seed)[:3])
     assert len(traces) == 1
-    before = jq.quantize_linear._cache_size()
+    # quantize_linear reads NumPy float6 zero points before its jit boundary;
+    # the jitted function behind it is what caches.
+    before = _linear._quantize_linear._cache_size()
     for seed in range(3):
       jq.quantize_linear(*_case("per-axis", seed)[:3], axis=1)
-    assert jq.quantize_linear._cache_size() <= before + 1
+    assert _linear._quantize_linear._cache_size() <= before + 1

@@ -3,7 +3,7 @@
 The layout is ONNX's TensorProto ``raw_data``: four int2/uint2 values per byte
 (element 4i in bits 0-1, 4i+1 in bits 2-3, ...), two int4/uint4/float4_e2m1fn
 values per byte (element 2i in the low nibble), zero bits after the last
-element. ``onnx.numpy_helper.from_array`` writes those bytes (its
+element. float6 (four codes in three bytes) is tested in test_float6.py. ``onnx.numpy_helper.from_array`` writes those bytes (its
 ``_pack_2bitx4`` and ``_pack_4bitx2``) and ``to_array`` reads them (its
 ``_unpack_2bit`` and ``_unpack_4bit``); both sides are checked.
 
@@ -98,6 +98,28 @@ def test_pack_and_unpack_under_jit_and_vmap(dtype):
   np.testing.assert_array_equal(rows.reshape(-1), packed)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+def test_codes_one_per_byte_stand_for_any_sub_byte_dtype(dtype, implementation):
+  # uint8 bit patterns, one per byte, with the dtype given apart: the form
+  # float6 takes in JAX, accepted for every sub-byte dtype alike.
+  rng = np.random.default_rng(5)
+  x = _random(dtype, (3, 8), rng)
+  codes = jnp.asarray(_codes(x) & ((1 << BITS[np.dtype(dtype)]) - 1))
+  np.testing.assert_array_equal(jq.pack(codes, dtype=dtype), jq.pack(x))
+  np.testing.assert_array_equal(jq.pack(jnp.asarray(x), dtype=dtype), jq.pack(x))
+  scale = jnp.asarray(rng.uniform(0.01, 2.0, (3,)).astype(np.float32))
+  zero_point = jnp.asarray(_random(dtype, (3,), rng))
+  expected = jq.dequantize_linear(x, scale, zero_point, axis=0, implementation="xla")
+  assert_bits_equal(
+      jq.dequantize_linear(codes, scale, zero_point, axis=0, packed_dtype=dtype,
+                           implementation=implementation), expected)
+  assert_bits_equal(
+      jax.jit(functools.partial(jq.dequantize_linear, axis=0, packed_dtype=dtype,
+                                implementation=implementation))(codes, scale, zero_point),
+      expected)
+
+
 def test_last_byte_holds_zero_bits_after_the_last_element():
   # The bytes onnx.helper.make_tensor writes for the same values.
   np.testing.assert_array_equal(jq.pack(jnp.array([1, -2, 0, -1, 1], jnp.int2)), [201, 1])
@@ -147,14 +169,15 @@ def test_packed_shape_may_be_any_sequence_of_ints():
 
 # --- errors, in the library's one format ------------------------------------------
 
-SUB_BYTE_NAMES = "int2, uint2, int4, uint4 or float4_e2m1fn"
+SUB_BYTE_NAMES = "int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn or float6_e3m2fn"
 
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda: jq.pack(jnp.zeros(4, jnp.int8)), TypeError,
-     f"pack: x.dtype must be {SUB_BYTE_NAMES}, got int8."),
+     f"pack: x.dtype must be {SUB_BYTE_NAMES} (or uint8 codes with dtype=), got int8."),
     (lambda: jq.pack(jnp.zeros(4, jnp.float8_e4m3fn)), TypeError,
-     f"pack: x.dtype must be {SUB_BYTE_NAMES}, got float8_e4m3fn."),
+     f"pack: x.dtype must be {SUB_BYTE_NAMES} (or uint8 codes with dtype=), got "
+     "float8_e4m3fn."),
     (lambda: jq.pack_int4(jnp.zeros(4, jnp.int2)), TypeError,
      "pack_int4: x.dtype must be int4, uint4 or float4_e2m1fn, got int2."),
     (lambda: jq.unpack(jnp.zeros(2, jnp.uint8), (4,), jnp.int2), ValueError,
