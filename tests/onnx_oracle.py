@@ -1,9 +1,10 @@
 """Runs one ONNX node in onnx.reference and in onnxruntime: oracles no one here wrote.
 
 onnxruntime's Python binding cannot take or return ml_dtypes arrays (int4,
-int2, float8, float4), so such tensors cross the boundary in a carrier dtype
-that holds them exactly (int8, uint8 or float32) and an ONNX Cast node inside
-the graph converts them. The same graph runs in both oracles.
+int2, float8, float6, float4), so such tensors cross the boundary in a carrier
+dtype that holds them exactly (int8, uint8 or float32) and an ONNX Cast node
+inside the graph converts them. The same graph runs in both oracles. float6
+needs ``opset=28`` (its Cast too); onnxruntime 1.32.0 refuses it.
 
 ``result_dtype`` is the dtype the runners return; the node's own attributes,
 ONNX's ``output_dtype`` among them, pass through ``**attributes``.

@@ -62,9 +62,10 @@ R3. It ignores a float8 zero point in QuantizeLinear and refuses a nonzero one i
 R4. int32 DequantizeLinear with a zero point computes ``float32(x) - zp`` in
     float64: no int32 wrap-around, x rounded to float32 first, and one rounding
     from float64 to a float16/bfloat16 output.
-R5. float4 QuantizeLinear with an explicit zero point +0 computes
-    ``-0.0 + 0.0 = +0.0``. jaxquant's zero point 0 equals no zero point, which keeps
-    -0.0 (as the reference itself does without one, and onnxruntime for float8).
+R5. float4 (and float6, tests/test_float6.py) QuantizeLinear with an explicit
+    zero point +0 computes ``-0.0 + 0.0 = +0.0``. jaxquant's zero point 0 equals
+    no zero point, which keeps -0.0 (as the reference itself does without one,
+    and onnxruntime for float8).
 R6. float4 NaN (from NaN x, inf/inf, 0/0) -> +-0.0 (ml_dtypes' cast); ONNX's
     float4 Cast table says +6, and so does jaxquant (docs/numerics.md).
 R7. float8 DequantizeLinear with an empty zero point raises (its zero check
@@ -92,6 +93,11 @@ R8. With x and scale of different float dtypes it divides in NumPy's promoted
 R9. int32 x: NumPy divides int32 by float32 in float64, so |x| > 2**24 is not
     rounded to float32 first, where ONNX's precision rule (the scale's
     float32) rounds it (onnx 1.23.2).
+R10. float6_e2m3fn / float6_e3m2fn NaN (from NaN x, inf/inf, 0/0) -> -0.0
+    (ml_dtypes' cast), as R6 for float4; jaxquant gives +max (7.5, 28), the
+    rule of ONNX's float4 Cast table. tests/test_float6.py holds the float6
+    comparisons (XLA has no float6 type; onnx.reference at opset 28 is their
+    only oracle, onnxruntime 1.32.0 does not register the types).
 O6. Non-saturating float8 QuantizeLinear (``saturate=0``) is wrong just above
     the largest value: float8_e4m3fn |x/scale| in [480, 496) -> +-448
     (jaxquant: NaN), float8_e5m2 in [61440, 65536) -> NaN (jaxquant: +-inf).
@@ -162,6 +168,10 @@ FLOAT8_DTYPES = tuple(np.dtype(d) for d in (
     ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz,
 ))
 FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)
+# Opset 28; XLA cannot hold them, so tests/test_float6.py runs them.
+FLOAT6_DTYPES = tuple(np.dtype(d) for d in (ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn))
+# Float dtypes without NaN or inf: they always saturate, NaN giving +max.
+SATURATING_FLOATS = (FLOAT4, *FLOAT6_DTYPES)
 INT32 = np.dtype(np.int32)
 QUANTIZE_DTYPES = INT_DTYPES + FLOAT8_DTYPES + (FLOAT4,)
 DEQUANTIZE_DTYPES = QUANTIZE_DTYPES + (INT32,)
@@ -253,11 +263,12 @@ def _spec_quantize(quotient, zero_point, qdtype, saturate=True):
     # A zero point 0 is no zero point (-0.0 stays); others add in float32.
     shifted = quotient.astype(np.float32) + zero_point.astype(np.float32)
     quotient = np.where(zero_point == 0, quotient, shifted)
-  if saturate or qdtype == FLOAT4:
+  if saturate or qdtype in SATURATING_FLOATS:
     limit = float(ml_dtypes.finfo(qdtype).max)
     quotient = np.clip(quotient, -limit, limit)
-  if qdtype == FLOAT4:
-    # float4 has no NaN: ONNX's float4 Cast table sends it to +6 (ml_dtypes: +-0).
+  if qdtype in SATURATING_FLOATS:
+    # No NaN: ONNX's float4 Cast table sends it to +6 (ml_dtypes: +-0), and
+    # jaxquant sends float6 NaN to +max alike (R6, R10).
     quotient = np.where(np.isnan(quotient), float(ml_dtypes.finfo(qdtype).max), quotient)
   # float64 -> float32 is exact here; ml_dtypes then rounds once, IEEE-style.
   return quotient.astype(np.float32).astype(qdtype)
@@ -424,7 +435,7 @@ def _without_float32_subnormals(a):
 
 def _grid(qdtype):
   """The finite values of a float quantized dtype, ascending."""
-  values = np.arange(256 if qdtype in FLOAT8_DTYPES else 16, dtype=np.uint8).view(qdtype)
+  values = np.arange(2 ** ml_dtypes.finfo(qdtype).bits, dtype=np.uint8).view(qdtype)
   values = values.astype(np.float64)
   return np.unique(values[np.isfinite(values)])
 
