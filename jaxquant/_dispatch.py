@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 
 from jaxquant import _validate
@@ -32,3 +35,34 @@ def select(function: str, implementation: str | None) -> str:
     faster = PALLAS_FASTER.get(jax.default_backend(), frozenset())
     return "pallas" if function in faster else "xla"
   return implementation
+
+
+def with_xla_derivatives(
+    kernel: Callable[..., Any], xla: Callable[..., Any]
+) -> Callable[..., Any]:
+  """``kernel``'s values with ``xla``'s derivatives, to every order.
+
+  A ``pallas_call`` cannot be differentiated (JAX would linearize the kernel
+  body, loads and all), so a Pallas op takes the derivative of its XLA
+  evaluation, which computes the same values: the same derivatives on every
+  implementation by construction. The JVP rule calls the op itself again for
+  its primal output, so second derivatives come through the same rule.
+
+  Args:
+    kernel: the Pallas evaluation of an op, a function of arrays (or ``None``).
+    xla: the XLA evaluation of the same op, with the same signature.
+
+  Returns:
+    A function with their signature: ``kernel``'s values, ``xla``'s JVP.
+  """
+
+  @jax.custom_jvp
+  def evaluate(*args):
+    return kernel(*args)
+
+  @evaluate.defjvp
+  def evaluate_jvp(primals, tangents):
+    _, tangents_out = jax.jvp(xla, primals, tangents)
+    return evaluate(*primals), tangents_out
+
+  return evaluate

@@ -212,7 +212,16 @@ def dynamic_quantize_linear(
   formula = functools.partial(
       _linear.quantize_formula, info=info, precision=np.dtype(np.float32), saturate=True,
   )
-  if _dispatch.select(function, implementation) == "pallas" and x.size:
+  shape = dynamic.public_shape(x.shape)
+
+  def xla(x):
+    scale, zero_point = dynamic.scale_and_zero_point(x)
+    y = _granularity.apply_blockwise(
+        formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
+    )
+    return y, scale.reshape(shape), zero_point.reshape(shape)
+
+  def kernel(x):
     # NaN pads a short last block: the statistics ignore it.
     view = _granularity.kernel_view(x, [], granularity, pad_value=np.nan)
     y, scale, zero_point = pallas_kernels.dynamic_quantize(
@@ -220,11 +229,8 @@ def dynamic_quantize_linear(
         reduction=functools.partial(dynamic.reduction, keepdims=True),
         parameters=dynamic.parameters, formula=formula, output_dtype=info.dtype,
     )
-    y = view.restore(y)
-  else:
-    scale, zero_point = dynamic.scale_and_zero_point(x)
-    y = _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
-    )
-  shape = dynamic.public_shape(x.shape)
-  return y, scale.reshape(shape), zero_point.reshape(shape)
+    return view.restore(y), scale.reshape(shape), zero_point.reshape(shape)
+
+  if _dispatch.select(function, implementation) == "pallas" and x.size:
+    return _dispatch.with_xla_derivatives(kernel, xla)(x)
+  return xla(x)

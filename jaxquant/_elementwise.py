@@ -126,8 +126,16 @@ def quantized_add(
     out_zero_point = _per_tensor(function, "out_zero_point", out_zero_point)
   formula = functools.partial(_add_formula, a_info=a_info, b_info=b_info, out_info=out_info)
   parameters = [a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point]
-  if _dispatch.select(function, implementation) == "pallas":
+
+  def xla(a, b, parameters):
+    return jnp.broadcast_to(formula(a, b, *parameters), shape)
+
+  if _dispatch.select(function, implementation) != "pallas":
+    return xla(a, b, parameters)
+
+  def kernel(a, b, parameters):
     return pallas_kernels.quantized_add(
         a, b, parameters, formula=formula, output_dtype=out_info.dtype
     )
-  return jnp.broadcast_to(formula(a, b, *parameters), shape)
+
+  return _dispatch.with_xla_derivatives(kernel, xla)(a, b, parameters)

@@ -272,7 +272,18 @@ def _dequantize_linear(
       # bytes, as do 2- and 4-bit ones across a row or block edge: XLA
       # unpacks those first, to one element (float6: one code) per byte.
       x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
-  if use_kernel:
+
+  def xla(x, scale, zero_point):
+    if per_byte > 1:
+      x = _packing.unpacked(x, shape, info.dtype)
+    return _granularity.apply_blockwise(
+        formula, x, [scale, zero_point], granularity, result_dtype=output_dtype
+    )
+
+  if not use_kernel:
+    return xla(x, scale, zero_point)
+
+  def kernel(x, scale, zero_point):
     view = _granularity.kernel_view(
         x, [scale, zero_point], granularity, shape=shape, elements_per_byte=per_byte
     )
@@ -280,9 +291,8 @@ def _dequantize_linear(
         view.x, *view.params, formula=formula, output_dtype=output_dtype,
         packed_dtype=info.dtype if per_byte > 1 else None,
     ))
-  return _granularity.apply_blockwise(
-      formula, x, [scale, zero_point], granularity, result_dtype=output_dtype
-  )
+
+  return _dispatch.with_xla_derivatives(kernel, xla)(x, scale, zero_point)
 
 
 def quotient_formula(x, scale, *, precision):
@@ -457,11 +467,19 @@ def _quantize_linear(
   formula = functools.partial(
       quantize_formula, info=info, precision=precision, saturate=saturate
   )
-  if _dispatch.select(function, implementation) == "pallas" and x.size:
+
+  def xla(x, scale, zero_point):
+    return _granularity.apply_blockwise(
+        formula, x, [scale, zero_point], granularity, result_dtype=info.array_dtype
+    )
+
+  if _dispatch.select(function, implementation) != "pallas" or not x.size:
+    return xla(x, scale, zero_point)
+
+  def kernel(x, scale, zero_point):
     view = _granularity.kernel_view(x, [scale, zero_point], granularity)
     return view.restore(pallas_kernels.quantize(
         view.x, *view.params, formula=formula, output_dtype=info.array_dtype
     ))
-  return _granularity.apply_blockwise(
-      formula, x, [scale, zero_point], granularity, result_dtype=info.array_dtype
-  )
+
+  return _dispatch.with_xla_derivatives(kernel, xla)(x, scale, zero_point)
