@@ -151,6 +151,37 @@ def host_codes(value: Any) -> tuple[Any, np.dtype | None]:
   return value, None
 
 
+def check_host_zero_point(function: str, argument: str, value: Any, dtype: Any) -> None:
+  """Checks a zero point given on the host, before the jit boundary rewrites it.
+
+  There a NumPy int64 would silently become int32 (and pick an int32 output)
+  and a Python int would wrap around into ``dtype`` (uint8 300 -> 44).
+
+  Args:
+    function: the public function's name, for the message.
+    argument: the argument's name, for the message.
+    value: the zero point as the caller gave it.
+    dtype: the quantized dtype a Python int zero point takes.
+
+  Raises:
+    TypeError: for a NumPy zero point whose dtype is not a quantized dtype.
+    ValueError: for a Python int outside ``dtype``'s range.
+  """
+  if isinstance(value, (np.ndarray, np.generic)):
+    _validate.check(
+        value.dtype in _QUANTIZED_DTYPES, function, f"{argument}.dtype",
+        f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})", value.dtype.name,
+        error=TypeError,
+    )
+  elif isinstance(value, int) and not isinstance(value, bool):
+    info = _QUANTIZED_DTYPES.get(_as_dtype(dtype))
+    if info is not None and info.is_integer:
+      _validate.check(
+          info.min <= value <= info.max, function, argument,
+          f"in [{info.min}, {info.max}] for {info.name}", value,
+      )
+
+
 def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
   """``x`` as numbers: float32 values for codes (``info.as_codes``), else ``x`` itself."""
   return decode_codes(x, info.dtype) if info.as_codes else x

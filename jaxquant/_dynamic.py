@@ -12,6 +12,7 @@ from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
@@ -141,9 +142,9 @@ def dynamic_range(
   )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("dtype", "axis", "block_size", "symmetric", "implementation"),
+@_bind.op(
+    jit=True, dtype=_bind.dtype, axis=_bind.optional_integer, block_size=_bind.integer,
+    symmetric=_bind.boolean, implementation=_bind.IMPLEMENTATION,
 )
 def dynamic_quantize_linear(
     x: ArrayLike,

@@ -9,6 +9,7 @@ from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _linear
@@ -48,7 +49,19 @@ def _add_formula(
   )
 
 
-@functools.partial(jax.jit, static_argnames=("output_dtype", "implementation"))
+def _check_zero_points(function: str, arguments: dict) -> None:
+  a_dtype = getattr(arguments["a"], "dtype", None)
+  for name, dtype in [("a", a_dtype), ("b", getattr(arguments["b"], "dtype", None)),
+                      ("out", arguments["output_dtype"] or a_dtype)]:
+    _dtypes.check_host_zero_point(
+        function, f"{name}_zero_point", arguments[f"{name}_zero_point"], dtype
+    )
+
+
+@_bind.op(
+    jit=True, output_dtype=_bind.dtype, implementation=_bind.IMPLEMENTATION,
+    check=_check_zero_points,
+)
 def quantized_add(
     a: ArrayLike,
     a_scale: ArrayLike,

@@ -28,6 +28,7 @@ from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _granularity
@@ -180,6 +181,17 @@ def _apply(x, scale, zero_point, granularity, quantizer):
   )
 
 
+def _check_zero_point(function: str, arguments: dict) -> None:
+  _dtypes.check_host_zero_point(
+      function, "zero_point", arguments["zero_point"], arguments["dtype"]
+  )
+
+
+@_bind.op(
+    dtype=_bind.dtype, axis=_bind.integer, block_size=_bind.integer,
+    narrow_range=_bind.boolean,
+    gradient=_bind.choice("masked", "identity"), check=_check_zero_point,
+)
 def fake_quantize(
     x: ArrayLike,
     scale: ArrayLike,
@@ -285,9 +297,11 @@ def _fake_quantize_op(
   return _apply(x, scale, zero_point, granularity, quantizer)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("dtype", "axis", "block_size", "narrow_range", "grad_factor"),
+@_bind.op(
+    jit=True,
+    dtype=_bind.dtype, axis=_bind.integer, block_size=_bind.integer,
+    narrow_range=_bind.boolean,
+    grad_factor=_bind.finite_float,
 )
 def fake_quantize_learnable(
     x: ArrayLike,
@@ -372,11 +386,6 @@ def fake_quantize_learnable(
   scale = _learned_parameter(function, "scale", scale)
   if zero_point is not None:
     zero_point = _learned_parameter(function, "zero_point", zero_point)
-  _validate.check(
-      isinstance(grad_factor, (int, float, np.floating, np.integer))
-      and not isinstance(grad_factor, bool),
-      function, "grad_factor", "a Python float", repr(grad_factor), error=TypeError,
-  )
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
@@ -400,8 +409,9 @@ def _learned_parameter(function: str, argument: str, value: ArrayLike) -> jax.Ar
   return value
 
 
-@functools.partial(
-    jax.jit, static_argnames=("dtype", "axis", "block_size", "symmetric", "gradient")
+@_bind.op(
+    jit=True, dtype=_bind.dtype, axis=_bind.optional_integer, block_size=_bind.integer,
+    symmetric=_bind.boolean, gradient=_bind.choice("masked", "identity"),
 )
 def fake_quantize_dynamic(
     x: ArrayLike,

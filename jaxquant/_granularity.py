@@ -122,7 +122,14 @@ def resolve(
         tuple(zero_point_shape),
     )
 
-  if math.prod(scale_shape) == 1:
+  if math.prod(scale_shape) == 1 and (block_size == 0 or len(scale_shape) != rank):
+    # ONNX and onnxruntime refuse block_size with a per-tensor scale; a
+    # one-element scale of x's rank is one block, checked below.
+    _validate.check(
+        block_size == 0, function, "block_size",
+        f"0 for a per-tensor scale of shape {scale_shape} (blocked quantization takes a "
+        f"scale of x's rank {rank})", block_size,
+    )
     return Granularity("per-tensor", (1,) * rank, x_shape)
 
   if len(scale_shape) == 1 and rank >= 2:

@@ -11,6 +11,7 @@ from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
@@ -102,6 +103,19 @@ def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
   return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(output_dtype)
 
 
+def _check_dequantize(function: str, arguments: dict) -> None:
+  dtype = arguments["packed_dtype"]
+  if dtype is None:
+    dtype = jnp.int4 if arguments["packed_shape"] is not None else getattr(
+        arguments["x"], "dtype", None)
+  _dtypes.check_host_zero_point(function, "zero_point", arguments["zero_point"], dtype)
+
+
+@_bind.op(
+    axis=_bind.integer, block_size=_bind.integer, output_dtype=_bind.dtype,
+    implementation=_bind.IMPLEMENTATION, packed_shape=_bind.optional_shape,
+    packed_dtype=_bind.dtype, check=_check_dequantize,
+)
 def dequantize_linear(
     x: ArrayLike,
     scale: ArrayLike,
@@ -204,10 +218,6 @@ def dequantize_linear(
     )
     packed_dtype = x_dtype
   zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
-  if packed_shape is not None:
-    # Shapes often arrive as lists or protobuf dims (ONNX's TensorProto.dims);
-    # jit's static arguments must hash, so the tuple is made here.
-    packed_shape = _validate.static_shape(function, "packed_shape", packed_shape)
   return _dequantize_linear(
       x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
       implementation=implementation, packed_shape=packed_shape, packed_dtype=packed_dtype,
@@ -353,6 +363,17 @@ def quantized_output_dtype(
   )
 
 
+def _check_quantize(function: str, arguments: dict) -> None:
+  _dtypes.check_host_zero_point(
+      function, "zero_point", arguments["zero_point"], arguments["output_dtype"] or jnp.uint8
+  )
+
+
+@_bind.op(
+    axis=_bind.integer, block_size=_bind.integer, output_dtype=_bind.dtype,
+    saturate=_bind.boolean, precision=_bind.dtype, implementation=_bind.IMPLEMENTATION,
+    check=_check_quantize,
+)
 def quantize_linear(
     x: ArrayLike,
     scale: ArrayLike,

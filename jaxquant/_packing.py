@@ -34,6 +34,7 @@ from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _dtypes
 from jaxquant import _validate
 
@@ -136,6 +137,7 @@ def _unpack_codes(packed: jax.Array, size: int, bits: int) -> jax.Array:
   return x.reshape(-1)[:size].astype(jnp.uint8)
 
 
+@_bind.op(dtype=_bind.dtype)
 def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
   r"""Packs a sub-byte array into bytes, as ONNX stores int2, int4, float4 and float6.
 
@@ -216,6 +218,7 @@ def _pack(x, *, dtype, function, bits=None):
   return _pack_codes(to_codes(x, info), info.bits)
 
 
+@_bind.op(shape=_bind.shape, dtype=_bind.dtype)
 def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
   r"""Unpacks bytes written by :func:`pack` (or by ONNX) into a sub-byte array.
 
@@ -288,6 +291,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
   return _pack(x, dtype=None, function="pack_int4", bits=4)
 
 
+@_bind.op(shape=_bind.shape, dtype=_bind.dtype)
 def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
   r"""Unpacks two 4-bit values per byte: :func:`unpack` for 4-bit dtypes only.
 

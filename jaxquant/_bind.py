@@ -1,0 +1,165 @@
+"""A public op's call, bound before the ``jax.jit`` boundary.
+
+Every public op is a plain Python function (``help()`` and
+``inspect.signature`` show its real parameters) whose static options are
+checked and canonicalised here, once, before any tracing:
+
+* an unknown keyword is Python's ``TypeError``, naming the keyword and the
+  closest real one (``dtype`` -> ``output_dtype``);
+* a dtype option given as ``jnp.int8``, ``np.int8``, ``"int8"`` or
+  ``np.dtype("int8")`` becomes one ``np.dtype``, so they share one compilation;
+* an option of the wrong kind (``None`` for an int, a list, a dict) is a
+  ``TypeError`` naming the option, not JAX's "Non-hashable static arguments".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import difflib
+import functools
+import inspect
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _validate
+
+Normalizer = Callable[[str, str, Any], Any]
+
+
+def dtype(function: str, argument: str, value: Any) -> Any:
+  """A dtype option as a ``np.dtype`` (``jnp.dtype`` reads ``"int4"`` as int4).
+
+  ``None`` stays ``None``, and so does any other hashable non-dtype: the op's
+  own check then names the dtypes it accepts.
+  """
+  if value is None:
+    return None
+  try:
+    canonical = jnp.dtype(value)
+  except (TypeError, ValueError):
+    canonical = None
+  # NumPy reads a list or a dict as a structured dtype: no dtype meant here.
+  if canonical is not None and canonical.names is None:
+    return canonical
+  _validate.check(
+      _hashable(value), function, argument,
+      "a dtype", repr(value), error=TypeError,
+  )
+  return value
+
+
+def _hashable(value: Any) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
+def integer(function: str, argument: str, value: Any) -> int:
+  return _validate.static_int(function, argument, value)
+
+
+def optional_integer(function: str, argument: str, value: Any) -> int | None:
+  return None if value is None else _validate.static_int(function, argument, value)
+
+
+def boolean(function: str, argument: str, value: Any) -> bool:
+  return _validate.static_bool(function, argument, value)
+
+
+def shape(function: str, argument: str, value: Any) -> tuple[int, ...]:
+  """A shape as a tuple: shapes arrive as lists or ONNX ``TensorProto.dims`` too."""
+  return _validate.static_shape(function, argument, value)
+
+
+def optional_shape(function: str, argument: str, value: Any) -> tuple[int, ...] | None:
+  return None if value is None else shape(function, argument, value)
+
+
+def finite_float(function: str, argument: str, value: Any) -> float:
+  _validate.check(
+      isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool),
+      function, argument, "a Python float", repr(value), error=TypeError,
+  )
+  _validate.check(math.isfinite(value), function, argument, "finite", repr(value))
+  return float(value)
+
+
+def choice(*options: Any) -> Normalizer:
+  """A normalizer accepting exactly ``options`` (compared by equality, so lists fail)."""
+  expected = ", ".join(map(repr, options[:-1])) + f" or {options[-1]!r}"
+
+  def normalize(function: str, argument: str, value: Any) -> Any:
+    _validate.check(
+        any(type(value) is type(option) and value == option for option in options),
+        function, argument, expected, repr(value),
+    )
+    return value
+
+  return normalize
+
+
+IMPLEMENTATION = choice(None, "xla", "pallas")
+
+
+def _unexpected_keyword(name: str, error: TypeError, parameters: Sequence[str]) -> TypeError:
+  message = str(error)
+  keyword = message.rsplit("'", 2)[-2] if message.count("'") >= 2 else ""
+  close = difflib.get_close_matches(keyword, parameters, n=1, cutoff=0.5)
+  hint = f"; did you mean {close[0]!r}?" if close else ""
+  return TypeError(f"{name}() {message}{hint}")
+
+
+def op(
+    *,
+    jit: bool = False,
+    check: Callable[[str, dict[str, Any]], None] | None = None,
+    **normalizers: Normalizer,
+) -> Callable[[Callable], Callable]:
+  """Binds a public op's arguments and canonicalises its static options.
+
+  Args:
+    jit: compile the decorated function with ``jax.jit``, its static
+      arguments being the keys of ``normalizers``.
+    check: ``check(function, arguments)`` sees every argument by name, after
+      normalisation and before the jit boundary (host values, such as Python
+      int zero points, are still themselves there).
+    **normalizers: per static option, ``normalize(function, argument, value)``
+      returning the canonical value or raising a ``TypeError``/``ValueError``
+      that names the argument.
+
+  Returns:
+    A decorator returning a plain function with the decorated one's
+    signature and docstring.
+  """
+
+  def decorate(function: Callable) -> Callable:
+    name = function.__name__
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters)
+    body = jax.jit(function, static_argnames=tuple(normalizers)) if jit else function
+
+    @functools.wraps(function)
+    def bound(*args, **kwargs):
+      try:
+        arguments = signature.bind(*args, **kwargs)
+      except TypeError as error:
+        raise _unexpected_keyword(name, error, parameters) from None
+      arguments.apply_defaults()
+      for argument, normalize in normalizers.items():
+        arguments.arguments[argument] = normalize(name, argument, arguments.arguments[argument])
+      if check is not None:
+        check(name, arguments.arguments)
+      return body(*arguments.args, **arguments.kwargs)
+
+    if jit:
+      # How many programs the op has compiled: the retracing tests read it.
+      bound._cache_size = body._cache_size  # pylint: disable=protected-access
+    return bound
+
+  return decorate

@@ -1,0 +1,61 @@
+"""The public API explains itself: real signatures, Python's keyword errors, one compile per dtype."""
+
+import inspect
+import pydoc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant import _linear
+
+PUBLIC = [getattr(jq, name) for name in jq.__all__]
+
+
+@pytest.mark.parametrize("function", PUBLIC, ids=lambda f: f.__name__)
+def test_public_names_are_plain_functions_with_their_signature(function):
+  assert inspect.isfunction(function), type(function)
+  parameters = inspect.signature(function).parameters
+  assert parameters and "args" not in parameters and "kwargs" not in parameters
+  text = pydoc.render_doc(function, renderer=pydoc.plaintext)
+  assert f"{function.__name__}(" in text and "PjitFunction" not in text
+
+
+@pytest.mark.parametrize("call, keyword, suggestion", [
+    (lambda: jq.quantize_linear(jnp.ones(2), 1.0, dtype=jnp.int8), "dtype", "output_dtype"),
+    (lambda: jq.dequantize_linear(jnp.ones(2, jnp.int8), 1.0, axes=0), "axes", "axis"),
+    (lambda: jq.dynamic_quantize_linear(jnp.ones(2), output_dtype=jnp.int8), "output_dtype",
+     "dtype"),
+    (lambda: jq.fake_quantize(jnp.ones(2), 1.0, implementation="xla"), "implementation", None),
+    (lambda: jq.quantized_add(jnp.ones(2, jnp.int8), 1.0, None, jnp.ones(2, jnp.int8), 1.0,
+                              None, 1.0, blocksize=2), "blocksize", None),
+])
+def test_unknown_keyword_is_pythons_type_error(call, keyword, suggestion):
+  with pytest.raises(TypeError) as info:
+    call()
+  message = str(info.value)
+  assert f"got an unexpected keyword argument '{keyword}'" in message, message
+  if suggestion:
+    assert message.endswith(f"did you mean '{suggestion}'?"), message
+  assert "Error interpreting argument" not in message
+
+
+def test_dtype_spellings_share_one_compilation():
+  x = jnp.ones(4)
+  before = _linear._quantize_linear._cache_size()  # pylint: disable=protected-access
+  results = [jq.quantize_linear(x, 1.0, output_dtype=spelling)
+             for spelling in (jnp.int8, np.int8, "int8", np.dtype("int8"))]
+  assert _linear._quantize_linear._cache_size() == before + 1  # pylint: disable=protected-access
+  assert all(r.dtype == jnp.int8 for r in results)
+  before = jq.dynamic_quantize_linear._cache_size()
+  for spelling in (jnp.int4, "int4", np.dtype(jnp.int4)):
+    assert jq.dynamic_quantize_linear(x, dtype=spelling)[0].dtype == jnp.int4
+  assert jq.dynamic_quantize_linear._cache_size() == before + 1
+
+
+def test_ops_still_run_under_an_outer_jit_and_vmap():
+  f = jax.jit(jax.vmap(lambda x: jq.dequantize_linear(
+      jq.quantize_linear(x, 0.5, output_dtype="int8"), 0.5)))
+  np.testing.assert_array_equal(f(jnp.ones((3, 4))), np.ones((3, 4), np.float32))
