@@ -236,7 +236,7 @@ def elementwise(
       a.shape[:-1] + (per_byte[i] * a.shape[-1],) if per_byte[i] > 1 else a.shape
       for i, a in zip(present, arrays)
   ]
-  out_shape = tuple(max(dims) for dims in zip(*logical)) if logical else ()
+  out_shape = tuple(jnp.broadcast_shapes(*logical)) if logical else ()
   if math.prod(out_shape) == 0:
     return tuple(jnp.zeros(out_shape, d) for d in result_dtypes)
 

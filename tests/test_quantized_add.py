@@ -430,3 +430,16 @@ def test_non_integer_output_dtype(dtype):
 def test_integer_scale():
   with pytest.raises(TypeError, match=r"quantized_add: a_scale\.dtype must be"):
     _add(a_scale=np.int32(1))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_empty_operands(implementation):
+  # Found by tests/test_fuzz.py: the kernel engine took the output shape as the
+  # largest of each dim, so (0,) against the scalar parameters' (1,) became (1,).
+  a = jnp.zeros((0,), jnp.int4)
+  y = jq.quantized_add(a, 0.5, jnp.int4(1), a, 0.5, jnp.int4(1), 0.5, jnp.int4(0),
+                       implementation=implementation)
+  assert y.shape == (0,) and y.dtype == jnp.int4
+  y = jq.quantized_add(jnp.zeros((3, 0), jnp.int8), 1.0, None, jnp.zeros((1,), jnp.int8), 1.0,
+                       None, 1.0, implementation=implementation)
+  assert y.shape == (3, 0)
