@@ -1,4 +1,4 @@
-"""Throughput of quantize_linear / dequantize_linear against peers, in one run.
+"""Throughput of quantize, dequantize and dynamic quantize against peers, in one run.
 
     python benchmarks/linear.py [--sizes 1048576 16777216] [--repeats 7]
 
@@ -7,7 +7,8 @@ Peers, each on the same data and layout:
     repeat for blocks), jitted; it is not bit-exact (the reciprocal trap in
     docs/numerics.md), only a speed bar.
   * ``numpy``: the same expression in NumPy.
-  * ``onnxruntime``: its CPU QuantizeLinear / DequantizeLinear (opset 21).
+  * ``onnxruntime``: its CPU QuantizeLinear / DequantizeLinear /
+    DynamicQuantizeLinear (opset 21).
 Reported: best-of-N milliseconds and jaxquant's speed-up over each peer
 (> 1 means jaxquant is faster). Machines here are shared: compare ratios
 within a run, never absolute times across runs.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +119,39 @@ def peers(size, rng):
     }
 
 
+def dynamic_peers(size, rng):
+  """ONNX DynamicQuantizeLinear (uint8, per tensor) of ``size`` elements, as ``peers``.
+
+  The NumPy and jnp peers are the formula of docs/numerics.md written by
+  hand: min and max, the scale, the zero point, then quantize.
+  """
+  x = rng.standard_normal(size).astype(np.float32)
+  x_j = jnp.asarray(x)
+
+  def by_hand(xp, x):
+    low, high = xp.minimum(xp.min(x), 0), xp.maximum(xp.max(x), 0)
+    scale = (high - low) / np.float32(255)
+    zero_point = xp.clip(xp.round(-low / scale), 0, 255)
+    return xp.clip(xp.round(x / scale) + zero_point, 0, 255).astype(np.uint8), scale
+
+  node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])
+  graph = helper.make_graph(
+      [node], "dynamic", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+      [helper.make_tensor_value_info(name, dtype, None)
+       for name, dtype in (("y", TensorProto.UINT8), ("s", TensorProto.FLOAT),
+                           ("z", TensorProto.UINT8))])
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+  model.ir_version = 10
+  session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+  yield "dynamic", "per-tensor", {
+      "jaxquant": functools.partial(jq.dynamic_quantize_linear, x_j),
+      "jnp": functools.partial(jax.jit(functools.partial(by_hand, jnp)), x_j),
+      "numpy": functools.partial(by_hand, np, x),
+      "onnxruntime": functools.partial(session.run, None, {"x": x}),
+  }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 1 << 24])
@@ -127,7 +162,7 @@ def main():
   print(f"{'op':10} {'elements':>9} {'layout':11} {'jaxquant ms':>11} "
         f"{'vs jnp':>7} {'vs numpy':>8} {'vs onnxruntime':>14}")
   for size in args.sizes:
-    for op, layout, functions in peers(size, rng):
+    for op, layout, functions in itertools.chain(peers(size, rng), dynamic_peers(size, rng)):
       ours_ms = best_ms(functions["jaxquant"], args.repeats)
       ratio = {peer: best_ms(function, args.repeats) / ours_ms
                for peer, function in functions.items() if peer != "jaxquant"}

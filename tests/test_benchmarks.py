@@ -27,3 +27,9 @@ def test_kernel_benchmark_runs_and_checks_bits():
 def test_fake_quant_benchmark_runs():
   rows, output = _table_rows("fake.py", "--sizes", "16384", prefix="| fake")
   assert len(rows) == 3, output
+
+
+def test_linear_benchmark_runs():
+  rows, output = _table_rows("linear.py", "--sizes", "16384", prefix=("quantize", "dequantize",
+                                                                      "dynamic"))
+  assert len(rows) == 7, output
