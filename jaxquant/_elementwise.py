@@ -41,8 +41,14 @@ def _add_formula(
     *, a_info, b_info, out_info,
 ):
   to_float = functools.partial(_linear.dequantize_formula, output_dtype=jnp.float32)
-  total = (to_float(a, a_scale, a_zero_point, info=a_info)
-           + to_float(b, b_scale, b_zero_point, info=b_info))
+  a_value = to_float(a, a_scale, a_zero_point, info=a_info)
+  b_value = to_float(b, b_scale, b_zero_point, info=b_info)
+  total = a_value + b_value
+  # XLA:CPU's code generator contracts a product feeding an add into one FMA,
+  # which rounds once where the formula rounds each product first (a tie
+  # then breaks the other way). A second use of each product, which LLVM
+  # cannot fold (it would change a NaN's payload), keeps them apart.
+  total = jnp.where(jnp.isnan(a_value), a_value, jnp.where(jnp.isnan(b_value), b_value, total))
   return _linear.quantize_formula(
       total, out_scale, out_zero_point,
       info=out_info, precision=np.dtype(np.float32), saturate=True,

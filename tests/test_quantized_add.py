@@ -443,3 +443,19 @@ def test_empty_operands(implementation):
   y = jq.quantized_add(jnp.zeros((3, 0), jnp.int8), 1.0, None, jnp.zeros((1,), jnp.int8), 1.0,
                        None, 1.0, implementation=implementation)
   assert y.shape == (3, 0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_products_are_rounded_before_the_sum(implementation):
+  # Found by tests/test_fuzz.py: XLA:CPU contracted b_value + a_value into
+  # fma(b - zb, b_scale, a_value), rounding once: here -60.166668 instead of
+  # -60.16667, whose quotient by 1/3 is no longer the tie -180.50002.
+  a = np.full(4, 3, np.uint8).astype(jnp.uint4)
+  b = np.full(4, -82, np.int8)
+  third = np.float32(0.33333334)
+  a_value = np.float32(3 * 2.5)
+  b_value = np.float32(np.float32(-82 - 121) * third)
+  expected = np.clip(np.rint((a_value + b_value) / third) + 127, -128, 127)
+  y = jq.quantized_add(a, np.float32(2.5), np.zeros((), jnp.uint4), b, third, np.int8(121),
+                       third, np.int8(127), implementation=implementation)
+  np.testing.assert_array_equal(y, np.full(4, expected, np.int8))
