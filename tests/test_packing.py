@@ -350,3 +350,19 @@ def test_onnxruntime_refuses_packed_int2_before_opset_25(opset):
                             opset=opset)
   with pytest.raises(Exception, match=r"tensor\(int2\)"):
     _onnxruntime_session(model)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("shape, scale, options", [
+    ((0, 4), 0.5, {}),
+    ((2, 0, 6), 0.5, {}),
+    ((0, 4), np.ones(4, np.float32), {"axis": 1}),
+    ((3, 0), np.ones(0, np.float32), {"axis": 1}),
+    ((0, 4), np.ones((0, 2), np.float32), {"axis": 1, "block_size": 2}),
+], ids=str)
+def test_empty_packed_shapes_keep_their_shape(shape, scale, options, implementation):
+  # The Pallas path gave (0, 0) for (0, 4), (0, 1, 0) for (2, 0, 6), and a raw
+  # broadcasting error with a per-axis scale.
+  y = jq.dequantize_linear(jnp.zeros(0, jnp.uint8), scale, packed_shape=shape,
+                           packed_dtype=jnp.int4, implementation=implementation, **options)
+  assert y.shape == shape and y.dtype == jnp.float32
