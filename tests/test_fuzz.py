@@ -134,10 +134,11 @@ def _assert_same(expected, actual, how):
 
 
 def _assert_close(expected, actual, how):
-  """LSQ's scale and zero-point gradients: arithmetic that XLA may fuse differently
-  (an FMA, a reciprocal) when compiled whole than op by op; a few ulp apart."""
+  """LSQ's scale and zero-point gradients: arithmetic that XLA fuses differently
+  (an FMA, a reciprocal) when compiled whole than op by op, on (y - x) / scale,
+  which cancels: close, not equal."""
   for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-30,
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6,
                                err_msg=how)
 
 
@@ -224,11 +225,13 @@ def test_quantized_add(implementation, data, seed):
   pairs = [(_integer_values(rng, shape, a_dtype), _integer_values(rng, shape, b_dtype))
            for rng in rngs]
 
-  def op(a, b):
+  def op(a, b, scales):
     return jq.quantized_add(a, scales[0], a_zero_point, b, scales[1], b_zero_point, scales[2],
                             out_zero_point, implementation=implementation)
 
-  _four_ways(op, pairs[0], pairs[1])
+  # The scales are arguments: with compile-time constant scales XLA:CPU may
+  # still fuse a product into the sum (J6 in docs/numerics.md).
+  _four_ways(op, (*pairs[0], scales), (*pairs[1], scales))
 
 
 @hypothesis.settings(max_examples=_examples())
