@@ -188,7 +188,7 @@ def _check_zero_point(function: str, arguments: dict) -> None:
 
 
 @_bind.op(
-    dtype=_bind.dtype, axis=_bind.integer, block_size=_bind.integer,
+    dtype=_bind.dtype, axis=_bind.optional_integer, block_size=_bind.integer,
     narrow_range=_bind.boolean,
     gradient=_bind.choice("masked", "identity"), check=_check_zero_point,
 )
@@ -198,7 +198,7 @@ def fake_quantize(
     zero_point: ArrayLike | None = None,
     *,
     dtype: DTypeLike = jnp.int8,
-    axis: int = 1,
+    axis: int | None = 1,
     block_size: int = 0,
     narrow_range: bool = False,
     gradient: Literal["masked", "identity"] = "masked",
@@ -236,7 +236,8 @@ def fake_quantize(
       NumPy float6 array, a Python number, or uint8 codes.
     dtype: the quantized dtype: an integer type of at most 16 bits, a float8
       type, float6_e2m3fn, float6_e3m2fn or float4_e2m1fn.
-    axis: the quantization axis for per-axis and blocked scales.
+    axis: the quantization axis for per-axis and blocked scales (``None``
+      only with a per-tensor or block-wise broadcast scale).
     block_size: block length along ``axis`` for blocked scales, else 0.
     narrow_range: integer dtypes: use ``[q_min + 1, q_max]`` (int8 in
       [-127, 127]).
@@ -299,7 +300,7 @@ def _fake_quantize_op(
 
 @_bind.op(
     jit=True,
-    dtype=_bind.dtype, axis=_bind.integer, block_size=_bind.integer,
+    dtype=_bind.dtype, axis=_bind.optional_integer, block_size=_bind.integer,
     narrow_range=_bind.boolean,
     grad_factor=_bind.finite_float,
 )
@@ -309,7 +310,7 @@ def fake_quantize_learnable(
     zero_point: ArrayLike | None = None,
     *,
     dtype: DTypeLike = jnp.int8,
-    axis: int = 1,
+    axis: int | None = 1,
     block_size: int = 0,
     narrow_range: bool = False,
     grad_factor: float = 1.0,
@@ -357,7 +358,8 @@ def fake_quantize_learnable(
       to even and clipped to the range in the forward pass. ``None`` fixes it
       at 0 (symmetric quantization, LSQ as published).
     dtype: an integer quantized dtype of at most 16 bits.
-    axis: the quantization axis for per-axis and blocked scales.
+    axis: the quantization axis for per-axis and blocked scales (``None``
+      only with a per-tensor or block-wise broadcast scale).
     block_size: block length along ``axis`` for blocked scales, else 0.
     narrow_range: use ``[q_min + 1, q_max]``.
     grad_factor: multiplies the gradients of ``scale`` and ``zero_point``.

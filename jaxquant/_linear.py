@@ -112,7 +112,7 @@ def _check_dequantize(function: str, arguments: dict) -> None:
 
 
 @_bind.op(
-    axis=_bind.integer, block_size=_bind.integer, output_dtype=_bind.dtype,
+    axis=_bind.optional_integer, block_size=_bind.integer, output_dtype=_bind.dtype,
     implementation=_bind.IMPLEMENTATION, packed_shape=_bind.optional_shape,
     packed_dtype=_bind.dtype, check=_check_dequantize,
 )
@@ -121,7 +121,7 @@ def dequantize_linear(
     scale: ArrayLike,
     zero_point: ArrayLike | None = None,
     *,
-    axis: int = 1,
+    axis: int | None = 1,
     block_size: int = 0,
     output_dtype: DTypeLike | None = None,
     implementation: str | None = None,
@@ -167,7 +167,8 @@ def dequantize_linear(
     zero_point: same dtype and shape as ``scale`` elements; ``None`` means 0.
       A Python number takes x's dtype. For float6: a NumPy float6 array, a
       Python number, or uint8 codes.
-    axis: the quantization axis for per-axis and blocked scales.
+    axis: the quantization axis for per-axis and blocked scales (``None``
+      only with a per-tensor or block-wise broadcast scale).
     block_size: block length along ``axis`` for blocked scales, else 0.
     output_dtype: float32, float16 or bfloat16; default the scale's dtype
       (float32 for a float8_e8m0fnu scale).
@@ -370,7 +371,7 @@ def _check_quantize(function: str, arguments: dict) -> None:
 
 
 @_bind.op(
-    axis=_bind.integer, block_size=_bind.integer, output_dtype=_bind.dtype,
+    axis=_bind.optional_integer, block_size=_bind.integer, output_dtype=_bind.dtype,
     saturate=_bind.boolean, precision=_bind.dtype, implementation=_bind.IMPLEMENTATION,
     check=_check_quantize,
 )
@@ -379,7 +380,7 @@ def quantize_linear(
     scale: ArrayLike,
     zero_point: ArrayLike | None = None,
     *,
-    axis: int = 1,
+    axis: int | None = 1,
     block_size: int = 0,
     output_dtype: DTypeLike | None = None,
     saturate: bool = True,
@@ -419,7 +420,8 @@ def quantize_linear(
     zero_point: the output's zero point, in the quantized dtype; ``None``
       means 0. A Python number takes the output dtype. A float6 zero point is
       a NumPy float6 array or a Python number (rounded to it as x is).
-    axis: the quantization axis for per-axis and blocked scales.
+    axis: the quantization axis for per-axis and blocked scales (``None``
+      only with a per-tensor or block-wise broadcast scale).
     block_size: block length along ``axis`` for blocked scales, else 0.
     output_dtype: the quantized dtype when ``zero_point`` is ``None`` or a
       Python number; default uint8.

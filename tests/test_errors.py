@@ -675,3 +675,13 @@ def test_unpack_bad_shape_named(shape):
   with pytest.raises((ValueError, TypeError)) as info:
     jq.unpack_int4(jnp.zeros(2, jnp.uint8), shape, jnp.int4)
   assert re.fullmatch(r"unpack_int4: shape must be .+, got .+\.", str(info.value))
+
+
+@pytest.mark.parametrize("function", [q, dq, fq])
+def test_axis_none_is_per_tensor(function):
+  # axis=None says "no axis", as in dynamic_quantize_linear: fine for a
+  # per-tensor scale, and an error naming axis for a per-axis one.
+  x = _int8(2, 4) if function is dq else _float32(2, 4)
+  np.testing.assert_array_equal(function(x, 0.5, axis=None), function(x, 0.5))
+  with pytest.raises(TypeError, match=r"axis must be an int, got None\."):
+    function(x, _float32(4), axis=None)
