@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _dispatch
 from jaxquant import _validate
 
 Normalizer = Callable[[str, str, Any], Any]
@@ -60,21 +61,14 @@ def _hashable(value: Any) -> bool:
   return True
 
 
-def integer(function: str, argument: str, value: Any) -> int:
-  return _validate.static_int(function, argument, value)
+integer = _validate.static_int
+boolean = _validate.static_bool
+# Shapes arrive as lists or ONNX ``TensorProto.dims`` too: made tuples here.
+shape = _validate.static_shape
 
 
 def optional_integer(function: str, argument: str, value: Any) -> int | None:
-  return None if value is None else _validate.static_int(function, argument, value)
-
-
-def boolean(function: str, argument: str, value: Any) -> bool:
-  return _validate.static_bool(function, argument, value)
-
-
-def shape(function: str, argument: str, value: Any) -> tuple[int, ...]:
-  """A shape as a tuple: shapes arrive as lists or ONNX ``TensorProto.dims`` too."""
-  return _validate.static_shape(function, argument, value)
+  return None if value is None else integer(function, argument, value)
 
 
 def optional_shape(function: str, argument: str, value: Any) -> tuple[int, ...] | None:
@@ -104,7 +98,7 @@ def choice(*options: Any) -> Normalizer:
   return normalize
 
 
-IMPLEMENTATION = choice(None, "xla", "pallas")
+IMPLEMENTATION = choice(*_dispatch.IMPLEMENTATIONS)
 
 
 def _unexpected_keyword(name: str, error: TypeError, parameters: Sequence[str]) -> TypeError:

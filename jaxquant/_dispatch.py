@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 
-from jaxquant import _validate
 
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
@@ -22,15 +21,9 @@ def select(function: str, implementation: str | None) -> str:
   """Returns the implementation that runs ``function``: ``"xla"`` or ``"pallas"``.
 
   ``None`` picks the Pallas kernel only where :data:`PALLAS_FASTER` lists it
-  for the default backend, else XLA.
-
-  Raises:
-    ValueError: for an unknown ``implementation``.
+  for the default backend, else XLA. ``implementation`` was checked when the
+  op's call was bound (``_bind.IMPLEMENTATION``).
   """
-  _validate.check(
-      implementation in IMPLEMENTATIONS, function, "implementation",
-      "None, 'xla' or 'pallas'", repr(implementation),
-  )
   if implementation is None:
     faster = PALLAS_FASTER.get(jax.default_backend(), frozenset())
     return "pallas" if function in faster else "xla"

@@ -156,7 +156,6 @@ def _fake_quantized_dtype(
       "a quantized dtype of at most 16 bits (float32 cannot hold every 32-bit "
       "integer)", info.name, error=TypeError,
   )
-  narrow_range = _validate.static_bool(function, "narrow_range", narrow_range)
   if not narrow_range:
     return info
   _validate.check(
@@ -164,14 +163,6 @@ def _fake_quantized_dtype(
       f"False for the float dtype {info.name} (its range is symmetric)", narrow_range,
   )
   return dataclasses.replace(info, min=info.min + 1)
-
-
-def _straight_through(function: str, gradient: object) -> None:
-  """Checks the ``gradient`` option of the straight-through ops."""
-  _validate.check(
-      gradient in ("masked", "identity"), function, "gradient",
-      "'masked' or 'identity'", repr(gradient),
-  )
 
 
 def _apply(x, scale, zero_point, granularity, quantizer):
@@ -289,7 +280,6 @@ def _fake_quantize_op(
   zero_point = _linear.zero_point_array(
       function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
-  _straight_through(function, gradient)
   granularity = _granularity.resolve(
       function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
@@ -470,7 +460,6 @@ def fake_quantize_dynamic(
       symmetric=symmetric,
   )
   _fake_quantized_dtype(function, dtype, narrow_range=False)  # at most 16 bits
-  _straight_through(function, gradient)
   scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
   quantizer = _Quantizer(dynamic.info, np.dtype(np.float32), gradient)  # the float32 scale's
   return _apply(x, scale, zero_point, dynamic.granularity, quantizer)

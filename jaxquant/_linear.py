@@ -474,7 +474,6 @@ def _quantize_linear(
   if x.dtype != jnp.int32:
     x = _dtypes.float_input(function, "x", x, also="int32")
   scale = _dtypes.scale_array(function, "scale", scale)
-  saturate = _validate.static_bool(function, "saturate", saturate)
   info = quantized_output_dtype(
       function, zero_point, output_dtype, zero_point_dtype=zero_point_dtype
   )

@@ -257,7 +257,7 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
   """
   function = "unpack"
   return _unpack(
-      packed, _validate.static_shape(function, "shape", shape),
+      packed, shape,
       sub_byte_dtype(function, "dtype", dtype).dtype, function,
   )
 
@@ -323,7 +323,7 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
   """
   function = "unpack_int4"
   return _unpack(
-      packed, _validate.static_shape(function, "shape", shape),
+      packed, shape,
       sub_byte_dtype(function, "dtype", dtype, bits=4).dtype, function,
   )
 
