@@ -1,0 +1,324 @@
+"""Quantized parameters as pytree leaves, and whole parameter trees quantized by rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+from jax.typing import DTypeLike
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _dtypes
+from jaxquant import _fake
+from jaxquant import _linear
+from jaxquant import _packing
+from jaxquant import _recipes
+from jaxquant import _validate
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["values", "scale", "zero_point"],
+    meta_fields=["dtype", "shape", "axis", "block_size", "packed", "output_dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """A quantized tensor: integer (or float8/float6/float4) values with their parameters.
+
+  A pytree whose children are the arrays (``values``, ``scale``,
+  ``zero_point``) and whose static layout is aux data, so ``jax.jit`` compiles
+  once per layout, ``jax.vmap`` and sharding act on the arrays, and a
+  checkpoint stores the arrays. ``scale`` is float and differentiable;
+  ``values`` carry no gradient.
+
+  Attributes:
+    values: the quantized values in ``dtype``; with ``packed``, ONNX's packed
+      uint8 bytes (:func:`pack`); for float6 unpacked, uint8 codes.
+    scale: float32 scale: ``()``, ``(shape[axis],)`` or blocked (``shape``'s rank).
+    zero_point: in ``dtype`` shaped like ``scale``, or ``None`` (symmetric).
+    dtype: the quantized dtype (static).
+    shape: the logical shape (static).
+    axis: the quantization axis, non-negative, or ``None`` per tensor (static).
+    block_size: block length along ``axis``, 0 if not blocked (static).
+    packed: whether ``values`` holds packed bytes (static).
+    output_dtype: the float dtype :meth:`dequantize` returns (static).
+  """
+
+  values: jax.Array
+  scale: jax.Array
+  zero_point: jax.Array | None
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  axis: int | None
+  block_size: int
+  packed: bool
+  output_dtype: np.dtype
+
+  def dequantize(self) -> jax.Array:
+    """The float tensor, :func:`dequantize_linear` of the values (bit for bit)."""
+    sub_byte = self.packed or _dtypes.quantized_dtype("dequantize", "dtype", self.dtype).as_codes
+    return _linear.dequantize_linear(
+        self.values, self.scale, self.zero_point, axis=self.axis, block_size=self.block_size,
+        output_dtype=self.output_dtype, packed_shape=self.shape if self.packed else None,
+        packed_dtype=self.dtype if sub_byte else None,
+    )
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held: values, scale and zero point (sub-byte values unpacked count whole bytes)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["value", "scale"],
+    meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor"],
+)
+@dataclasses.dataclass(frozen=True)
+class FakeQuantizedArray:
+  """A float weight trained through fake quantization with a learned scale (LSQ).
+
+  Both children are float and trainable: ``jax.grad`` of a loss through
+  :meth:`dequantize` gives the weight's straight-through gradient and the
+  scale's LSQ gradient. :func:`quantize_params` turns it into the
+  :class:`QuantizedArray` whose :meth:`QuantizedArray.dequantize` equals this
+  :meth:`dequantize` bit for bit.
+
+  Attributes:
+    value: the float weight.
+    scale: the learned float scale (symmetric quantization, zero point 0).
+    dtype: the integer quantized dtype (static).
+    axis: the quantization axis, or ``None`` per tensor (static).
+    block_size: block length along ``axis``, 0 if not blocked (static).
+    packed: whether the deployed values are packed (static).
+    grad_factor: LSQ's scale gradient factor (static).
+  """
+
+  value: jax.Array
+  scale: jax.Array
+  dtype: np.dtype
+  axis: int | None
+  block_size: int
+  packed: bool
+  grad_factor: float
+
+  def dequantize(self) -> jax.Array:
+    """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype."""
+    return _fake.fake_quantize_learnable(
+        self.value, self.scale, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
+        grad_factor=self.grad_factor,
+    )
+
+
+_CONTAINERS = (QuantizedArray, FakeQuantizedArray)
+
+
+def _is_container(leaf: Any) -> bool:
+  return isinstance(leaf, _CONTAINERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationRule:
+  """Which parameters :func:`quantize_params` quantizes, and how.
+
+  A parameter matches when ``re.search(pattern, path)`` finds its path (keys
+  joined by ``/``, e.g. ``"layers/0/kernel/value"``), it is a float array and
+  has at least ``min_ndim`` dimensions. The first matching rule decides.
+
+  Attributes:
+    pattern: a regular expression searched in the path.
+    dtype: the quantized dtype; ``None`` keeps matching parameters float.
+    axis: the quantization axis (negative counts from the end): one scale per
+      index of it, or per block with ``block_size``; ``None`` per tensor. The
+      default -1 is one scale per output feature of a Flax kernel; with
+      ``block_size``, -2 blocks along a Dense or Conv kernel's inputs.
+    block_size: block length along ``axis``, 0 if not blocked.
+    method: the :func:`choose_qparams` recipe; ``"minmax"`` keeps a zero point.
+    min_ndim: parameters of lower rank (biases, norms) are left float.
+    packed: store sub-byte dtypes packed (ONNX's layout), else one per byte.
+  """
+
+  pattern: str = ".*"
+  dtype: DTypeLike | None = jnp.int8
+  axis: int | None = -1
+  block_size: int = 0
+  method: _recipes.Method = "absmax"
+  min_ndim: int = 2
+  packed: bool = True
+
+
+def path_name(path: Sequence[Any]) -> str:
+  """A pytree path as ``/``-joined keys: ``"layers/0/kernel/value"``."""
+  names = []
+  for key in path:
+    for attribute in ("key", "name", "idx"):
+      if hasattr(key, attribute):
+        names.append(str(getattr(key, attribute)))
+        break
+    else:
+      names.append(str(key))
+  return "/".join(names)
+
+
+def _rule_for(rules, name: str, leaf: Any) -> QuantizationRule | None:
+  if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)):
+    return None
+  for rule in rules:
+    if re.search(rule.pattern, name) and np.ndim(leaf) >= rule.min_ndim:
+      return rule if rule.dtype is not None else None
+  return None
+
+
+def _layout(function: str, leaf: Any, rule: QuantizationRule) -> tuple[int | None, bool]:
+  axis = rule.axis
+  if axis is not None:
+    axis = _validate.normalize_axis(function, axis, np.ndim(leaf))
+  info = _dtypes.quantized_dtype(function, "rule.dtype", rule.dtype)
+  return axis, rule.packed and info.bits < 8
+
+
+def _quantize(function: str, leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
+  axis, packed = _layout(function, leaf, rule)
+  scale, zero_point = _recipes.choose_qparams(
+      leaf, rule.dtype, axis=axis, block_size=rule.block_size, method=rule.method
+  )
+  if rule.method != "minmax":
+    zero_point = None
+  return _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
+
+
+def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> QuantizedArray:
+  info = _dtypes.quantized_dtype("quantize_params", "dtype", dtype)
+  values = _linear.quantize_linear(
+      value, scale, zero_point, output_dtype=info.dtype, axis=axis, block_size=block_size
+  )
+  if packed:
+    values = _packing.pack(values, dtype=info.dtype if info.as_codes else None)
+  return QuantizedArray(
+      values, scale, zero_point, info.dtype, tuple(value.shape), axis, block_size, packed,
+      np.dtype(value.dtype),
+  )
+
+
+def _learnable(function: str, leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
+  axis, packed = _layout(function, leaf, rule)
+  info = _dtypes.quantized_dtype(function, "rule.dtype", rule.dtype, integer=True)
+  scale, _ = _recipes.choose_qparams(
+      leaf, info.dtype, axis=axis, block_size=rule.block_size, method=rule.method
+  )
+  _validate.check(
+      rule.method != "minmax", function, "rule.method",
+      "a symmetric recipe with learnable=True (the learned scale has zero point 0)",
+      repr(rule.method),
+  )
+  per_scale = max(1, int(np.prod(leaf.shape)) // max(1, scale.size))
+  return FakeQuantizedArray(
+      leaf, scale, info.dtype, axis, rule.block_size, packed,
+      _fake.lsq_grad_factor(per_scale, dtype=info.dtype),
+  )
+
+
+def _freeze(leaf: FakeQuantizedArray) -> QuantizedArray:
+  return _from_scale(
+      leaf.value, leaf.scale, None, leaf.dtype, leaf.axis, leaf.block_size, leaf.packed
+  )
+
+
+def quantize_params(
+    params: Any,
+    rules: QuantizationRule | Sequence[QuantizationRule] = (),
+    *,
+    learnable: bool = False,
+) -> Any:
+  """Quantizes the parameters of a pytree that match ``rules``.
+
+  Every float array leaf that a rule matches (see :class:`QuantizationRule`)
+  becomes a :class:`QuantizedArray`: its scale from :func:`choose_qparams`
+  with the rule's recipe, its values from :func:`quantize_linear`, packed
+  with :func:`pack` for sub-byte dtypes. With ``learnable=True`` it becomes
+  a :class:`FakeQuantizedArray` instead, its scale initialised by the same
+  recipe, for quantization-aware training. A :class:`FakeQuantizedArray`
+  already in ``params`` becomes the :class:`QuantizedArray` of its learned
+  scale, whose dequantized value equals the fake-quantized one bit for bit:
+  one call deploys a QAT model. Other leaves, and leaves already quantized,
+  are returned unchanged. Works on any pytree: dicts, Flax NNX ``State``,
+  linen variables, optax-style tuples.
+
+  Args:
+    params: a pytree of parameters.
+    rules: a :class:`QuantizationRule` or a sequence of them (first match wins).
+    learnable: make matched parameters :class:`FakeQuantizedArray`.
+
+  Returns:
+    ``params`` with matched leaves replaced.
+
+  Raises:
+    TypeError: for a rule's dtype that is not a quantized dtype (or, with
+      ``learnable``, not an integer one).
+    ValueError: for a rule's axis or block size that does not fit a matched
+      parameter, or ``learnable`` with ``method="minmax"``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> params = {"kernel": jnp.array([[0.5, -1.0], [0.25, 2.0]]), "bias": jnp.ones(2)}
+    >>> quantized = jq.quantize_params(params, jq.QuantizationRule(dtype=jnp.int4))
+    >>> quantized["kernel"].values.dtype, quantized["kernel"].scale  # per output column
+    (dtype('uint8'), Array([0.07142857, 0.2857143 ], dtype=float32))
+    >>> jq.dequantize_params(quantized)["kernel"]
+    Array([[ 0.5       , -0.8571429 ],
+           [ 0.21428573,  2.        ]], dtype=float32)
+  """
+  function = "quantize_params"
+  if isinstance(rules, QuantizationRule):
+    rules = (rules,)
+  rules = tuple(rules)
+  for rule in rules:
+    _validate.check(
+        isinstance(rule, QuantizationRule), function, "rules",
+        "a QuantizationRule or a sequence of them", repr(rule), error=TypeError,
+    )
+  learnable = _validate.static_bool(function, "learnable", learnable)
+
+  def quantize(path, leaf):
+    if isinstance(leaf, FakeQuantizedArray):
+      return _freeze(leaf)
+    if isinstance(leaf, QuantizedArray):
+      return leaf
+    rule = _rule_for(rules, path_name(path), leaf)
+    if rule is None:
+      return leaf
+    return (_learnable if learnable else _quantize)(function, leaf, rule)
+
+  return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_container)
+
+
+def dequantize_params(params: Any) -> Any:
+  """Replaces every :class:`QuantizedArray` and :class:`FakeQuantizedArray` by its float value.
+
+  Call it inside the jitted forward pass, so the parameters stay quantized in
+  memory and XLA fuses the dequantization into their use. The gradient
+  reaches the float children (scales; a fake-quantized weight and its scale).
+
+  Args:
+    params: a pytree, with quantized leaves or not.
+
+  Returns:
+    ``params`` with each quantized leaf replaced by its ``dequantize()``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> params = jq.quantize_params({"w": jnp.array([[1.0, -0.5]])}, jq.QuantizationRule(axis=None))
+    >>> jq.dequantize_params(params)["w"]
+    Array([[ 1.       , -0.503937]], dtype=float32)
+  """
+  return jax.tree.map(
+      lambda leaf: leaf.dequantize() if _is_container(leaf) else leaf, params,
+      is_leaf=_is_container,
+  )
