@@ -12,11 +12,22 @@ from jaxquant._packing import pack as pack
 from jaxquant._packing import pack_int4 as pack_int4
 from jaxquant._packing import unpack as unpack
 from jaxquant._packing import unpack_int4 as unpack_int4
+from jaxquant._params import FakeQuantizedArray as FakeQuantizedArray
+from jaxquant._params import QuantizationRule as QuantizationRule
+from jaxquant._params import QuantizedArray as QuantizedArray
+from jaxquant._params import dequantize_params as dequantize_params
+from jaxquant._params import quantize_params as quantize_params
+from jaxquant._recipes import choose_qparams as choose_qparams
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "FakeQuantizedArray",
+    "QuantizationRule",
+    "QuantizedArray",
+    "choose_qparams",
     "dequantize_linear",
+    "dequantize_params",
     "dynamic_quantize_linear",
     "fake_quantize",
     "fake_quantize_dynamic",
@@ -25,6 +36,7 @@ __all__ = (
     "pack",
     "pack_int4",
     "quantize_linear",
+    "quantize_params",
     "quantized_add",
     "unpack",
     "unpack_int4",
