@@ -1,5 +1,6 @@
 """jaxquant: ONNX-exact linear quantization for JAX."""
 
+from jaxquant._checked import checked as checked
 from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
 from jaxquant._elementwise import quantized_add as quantized_add
 from jaxquant._fake import fake_quantize as fake_quantize
@@ -22,6 +23,7 @@ from jaxquant._recipes import choose_qparams as choose_qparams
 __version__ = "0.1.0"
 
 __all__ = (
+    "checked",
     "FakeQuantizedArray",
     "QuantizationRule",
     "QuantizedArray",

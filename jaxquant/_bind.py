@@ -9,7 +9,9 @@ checked and canonicalised here, once, before any tracing:
 * a dtype option given as ``jnp.int8``, ``np.int8``, ``"int8"`` or
   ``np.dtype("int8")`` becomes one ``np.dtype``, so they share one compilation;
 * an option of the wrong kind (``None`` for an int, a list, a dict) is a
-  ``TypeError`` naming the option, not JAX's "Non-hashable static arguments".
+  ``TypeError`` naming the option, not JAX's "Non-hashable static arguments";
+* inside :func:`jaxquant.checked`, the values of scales, zero points and
+  codes are checked (:mod:`jaxquant._checked`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _checked
 from jaxquant import _dispatch
 from jaxquant import _validate
 
@@ -149,6 +152,8 @@ def op(
         arguments.arguments[argument] = normalize(name, argument, arguments.arguments[argument])
       if check is not None:
         check(name, arguments.arguments)
+      if _checked.enabled():
+        _checked.check(name, arguments.arguments)
       return body(*arguments.args, **arguments.kwargs)
 
     if jit:
