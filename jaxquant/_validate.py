@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NoReturn
 
+from jax import export
 import numpy as np
 
 
@@ -74,12 +75,16 @@ def normalize_axis(function: str, axis: object, ndim: int) -> int:
 
 
 def static_shape(function: str, argument: str, value: object) -> tuple[int, ...]:
-  """A shape given as a sequence of non-negative Python ints, as a tuple."""
+  """A shape given as a sequence of non-negative Python ints, as a tuple.
+
+  A symbolic dim (``jax.export``'s batch, from a traced x's shape) is kept.
+  """
   check(
       isinstance(value, Sequence) and all(
-          isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+          export.is_symbolic_dim(n) or (
+              isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0)
           for n in value
       ),
       function, argument, "a sequence of non-negative ints", repr(value), error=TypeError,
   )
-  return tuple(int(n) for n in value)
+  return tuple(n if export.is_symbolic_dim(n) else int(n) for n in value)

@@ -11,8 +11,9 @@ scale is read once per tile and never expanded in HBM. The wrapper
    tiles, slicing the result after;
 3. runs one ``pallas_call`` whose body is the formula on the loaded blocks.
 
-The backend is picked per platform by ``lax.platform_dependent`` when the call
-is lowered: Mosaic on TPU, Triton on CUDA/ROCm, interpret mode elsewhere (CPU).
+The backend is picked per platform when the call is lowered
+(:func:`._platforms.per_platform`): Mosaic on TPU, Triton on CUDA/ROCm,
+interpret mode elsewhere (CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import dataclasses
 import math
 
 import jax
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _exact
+from pallas_kernels import _platforms
 from pallas_kernels import _tiling
 
 Backend = _tiling.Target
@@ -41,8 +42,14 @@ def _dispatch(
     *,
     backend: Backend | None,
     interpret: bool,
+    xla: Callable[[Sequence[jax.Array]], tuple[jax.Array, ...]],
 ) -> tuple[jax.Array, ...]:
-  """``call(arrays, backend=..., interpret=..., divide_asm=...)`` for the platform lowered to."""
+  """``call(arrays, backend=..., interpret=..., divide_asm=...)`` for the platform lowered to.
+
+  ``xla(arrays)`` computes the same results without a kernel: Triton has no
+  grid whose size is known only at run time, so on CUDA and ROCm a symbolic
+  dim (``jax.export``) runs the formula as XLA code.
+  """
   if backend is not None:
     return call(arrays, backend=backend, interpret=interpret,
                 divide_asm=backend == "triton" and not interpret)
@@ -52,13 +59,22 @@ def _dispatch(
         arrays, backend=backend, interpret=interpret, divide_asm=divide_asm
     )
 
-  return lax.platform_dependent(
-      *arrays,
+  symbolic = any(_tiling.symbolic(n) for a in arrays for n in a.shape)
+  triton = (lambda *arrays: xla(arrays)) if symbolic and not interpret else None
+  return tuple(_platforms.per_platform(
+      arrays,
       tpu=on("tpu", interpret=interpret),
-      cuda=on("triton", interpret=interpret, divide_asm=not interpret),
-      rocm=on("triton", interpret=interpret),
+      cuda=triton or on("triton", interpret=interpret, divide_asm=not interpret),
+      rocm=triton or on("triton", interpret=interpret),
       default=on("tpu", interpret=True),
-  )
+  ))
+
+
+def _codes(packed: jax.Array, per_byte: int) -> jax.Array:
+  """Packed bytes as one code per element: element ``n * i + k`` from bits ``k * 8 // n`` up."""
+  bits = 8 // per_byte
+  codes = [(packed >> (k * bits)) & ((1 << bits) - 1) for k in range(per_byte)]
+  return jnp.stack(codes, axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * per_byte,))
 
 
 def _compiler_params(backend: Backend, grid: tuple[int, ...], tile: tuple[int, ...]):
@@ -291,10 +307,15 @@ def elementwise(
         interpret=interpret,
         name=name,
     )(*layout.arrays)
-    return tuple(layout.trim(r) for r in results)
+    return tuple(layout.trim(r).reshape(out_shape) for r in results)
 
-  results = _dispatch(call, arrays, backend=backend, interpret=interpret)
-  return tuple(r.reshape(out_shape) for r in results)
+  def xla(arrays):
+    args = [None] * len(operands)
+    for i, array in zip(present, arrays):
+      args[i] = decode(_codes(array, per_byte[i])) if per_byte[i] > 1 else array
+    return tuple(jnp.broadcast_to(r, out_shape) for r in formula(*args))
+
+  return _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
 
 
 def reduce(
@@ -374,10 +395,14 @@ def reduce(
     order = [a for d in range(rank) for a in (d, rank + d)]
     return tuple(
         layout.trim(reduction(part, axes)[k].transpose(order).reshape(
-            tuple(p if keep else 1 for p, keep in zip(layout.padded, kept))))
+            tuple(p if keep else 1 for p, keep in zip(layout.padded, kept)))
+        ).reshape(result_shape)
         for k, part in enumerate(partials)
     )
 
-  results = _dispatch(call, [x], backend=backend, interpret=interpret)
-  return tuple(r.reshape(result_shape) for r in results)
+  def xla(arrays):
+    (x,) = arrays
+    return tuple(reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
+
+  return _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
 

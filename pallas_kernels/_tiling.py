@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,15 +47,22 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def symbolic(length) -> bool:
+  """Whether a dim is known only when the program runs (``jax.export``'s symbolic batch)."""
+  return export.is_symbolic_dim(length)
+
+
 def _tpu_tile(length: int, cap: int, multiple: int) -> int:
   """A full dim if it fits, else a divisor of ``length`` that is a multiple of ``multiple``.
 
-  Without such a divisor the largest multiple under ``cap`` is returned and the
-  caller pads.
+  Without such a divisor, or when ``length`` is symbolic, the largest multiple
+  under ``cap`` is returned and the caller pads.
   """
+  top = max(cap // multiple * multiple, multiple)
+  if symbolic(length):
+    return top
   if length <= cap:
     return length
-  top = max(cap // multiple * multiple, multiple)
   for tile in range(top, multiple - 1, -multiple):
     if length % tile == 0 and tile * 4 >= top:
       return tile
@@ -88,9 +96,10 @@ def tile_shape(
     row_multiple = max(sublanes(d) for d in dtypes)
     tile = (_tpu_tile(rows, max_rows, row_multiple), _tpu_tile(lanes, max_lanes, LANES))
   else:
-    lane_tile = min(_next_power_of_two(lanes), _next_power_of_two(max_lanes))
+    lane_cap = _next_power_of_two(max_lanes)
+    lane_tile = lane_cap if symbolic(lanes) else min(_next_power_of_two(lanes), lane_cap)
     row_cap = max(1, _next_power_of_two(max_rows * max_lanes) // lane_tile)
-    tile = (min(_next_power_of_two(rows), row_cap), lane_tile)
+    tile = (row_cap if symbolic(rows) else min(_next_power_of_two(rows), row_cap), lane_tile)
   return (1,) * (len(shape) - 2) + tile
 
 
@@ -103,9 +112,12 @@ def flat_width(size: int, target: Target, max_block: tuple[int, int] | None = No
   """Row width for laying a 1-D array of ``size`` elements out as 2-D rows.
 
   A multiple of 128 dividing ``size`` if there is one (no padding), else the
-  whole array as one row when it fits one block, else the lane cap (padded).
+  whole array as one row when it fits one block, else the lane cap (padded,
+  as is a symbolic size).
   """
   max_lanes = (max_block or MAX_BLOCK[target])[1]
+  if symbolic(size):
+    return max_lanes
   for width in range(max_lanes // LANES * LANES, LANES - 1, -LANES):
     if size % width == 0:
       return width
