@@ -253,7 +253,7 @@ def dynamic_quantize_linear(
   def xla(x):
     scale, zero_point = dynamic.scale_and_zero_point(x)
     y = _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity, result_dtype=info.dtype
+        formula, x, [scale, zero_point], granularity
     )
     return y, scale.reshape(shape), zero_point.reshape(shape)
 

@@ -168,7 +168,7 @@ def _fake_quantized_dtype(
 def _apply(x, scale, zero_point, granularity, quantizer):
   return _granularity.apply_blockwise(
       lambda x, scale, zero_point: _fake_quantize(x, scale, zero_point, quantizer),
-      x, [scale, zero_point], granularity, result_dtype=x.dtype,
+      x, [scale, zero_point], granularity,
   )
 
 

@@ -288,7 +288,7 @@ def _dequantize_linear(
     if per_byte > 1:
       x = _packing.unpacked(x, shape, info.dtype)
     return _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity, result_dtype=output_dtype
+        formula, x, [scale, zero_point], granularity
     )
 
   if not use_kernel:
@@ -492,7 +492,7 @@ def _quantize_linear(
 
   def xla(x, scale, zero_point):
     return _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity, result_dtype=info.array_dtype
+        formula, x, [scale, zero_point], granularity
     )
 
   if _dispatch.select(function, implementation) != "pallas" or not x.size:
