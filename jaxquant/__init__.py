@@ -1,6 +1,18 @@
 """jaxquant: ONNX-exact linear quantization for JAX."""
 
+from jaxquant._calibration import Observer as Observer
+from jaxquant._calibration import calibrate as calibrate
+from jaxquant._calibration import init_observer as init_observer
+from jaxquant._calibration import observe as observe
+from jaxquant._calibration import observer_qparams as observer_qparams
 from jaxquant._checked import checked as checked
+from jaxquant._dot_general import conv_general_dilated_dynamic_int8 as conv_general_dilated_dynamic_int8
+from jaxquant._dot_general import conv_general_dilated_fake_quant as conv_general_dilated_fake_quant
+from jaxquant._dot_general import conv_general_dilated_static_int8 as conv_general_dilated_static_int8
+from jaxquant._dot_general import dot_general_dynamic_int8 as dot_general_dynamic_int8
+from jaxquant._dot_general import dot_general_fake_quant as dot_general_fake_quant
+from jaxquant._dot_general import dot_general_static_int8 as dot_general_static_int8
+from jaxquant._dot_general import replace_ops as replace_ops
 from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
 from jaxquant._elementwise import quantized_add as quantized_add
 from jaxquant._fake import fake_quantize as fake_quantize
@@ -23,23 +35,35 @@ from jaxquant._recipes import choose_qparams as choose_qparams
 __version__ = "0.1.0"
 
 __all__ = (
-    "checked",
     "FakeQuantizedArray",
+    "Observer",
     "QuantizationRule",
     "QuantizedArray",
+    "calibrate",
+    "checked",
     "choose_qparams",
+    "conv_general_dilated_dynamic_int8",
+    "conv_general_dilated_fake_quant",
+    "conv_general_dilated_static_int8",
     "dequantize_linear",
     "dequantize_params",
+    "dot_general_dynamic_int8",
+    "dot_general_fake_quant",
+    "dot_general_static_int8",
     "dynamic_quantize_linear",
     "fake_quantize",
     "fake_quantize_dynamic",
     "fake_quantize_learnable",
+    "init_observer",
     "lsq_grad_factor",
+    "observe",
+    "observer_qparams",
     "pack",
     "pack_int4",
     "quantize_linear",
     "quantize_params",
     "quantized_add",
+    "replace_ops",
     "unpack",
     "unpack_int4",
 )

@@ -1,0 +1,614 @@
+"""Drop-ins for ``lax.dot_general`` and ``lax.conv_general_dilated``, and a duck-typed swap.
+
+Flax's layers take their contraction as an argument (``nnx.Linear(...,
+dot_general=)``, ``nnx.Conv(..., conv_general_dilated=)``, ``nnx.Einsum(...,
+einsum_op=)``, linen's ``Dense(dot_general=)``), so a model quantizes its
+matmuls by being handed these functions: jaxquant never imports Flax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+import functools
+import types
+from typing import Any
+
+import jax
+from jax import lax
+from jax.typing import ArrayLike
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _dtypes
+from jaxquant import _dynamic
+from jaxquant import _fake
+from jaxquant import _linear
+from jaxquant import _validate
+
+_INT8 = _dtypes.quantized_dtype("dot_general", "dtype", jnp.int8)
+
+
+def _symmetric_scale(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
+  """``max|x| / 127`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
+  (magnitude,) = _dynamic._max_magnitude(x, tuple(reduced), keepdims=True)
+  scale, _ = _dynamic._symmetric_parameters(magnitude, info=_INT8)
+  return scale
+
+
+def _quantize_int8(function: str, x: ArrayLike, reduced: Sequence[int]):
+  """x as symmetric int8, one scale per index of the dims not ``reduced``."""
+  x = _dtypes.float_input(function, "lhs or rhs", jnp.asarray(x))
+  scale = _symmetric_scale(x, reduced)
+  return _linear.quantize_linear(x, scale, axis=None, output_dtype=jnp.int8), scale
+
+
+def _result_dtype(lhs, rhs, preferred_element_type):
+  if preferred_element_type is not None:
+    return np.dtype(preferred_element_type)
+  return np.dtype(jnp.result_type(lhs, rhs))
+
+
+def _dot_scales(lhs_scale, rhs_scale, dimension_numbers):
+  """The product of the operands' scales, laid out as dot_general's output dims."""
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  lhs_free = [d for d in range(lhs_scale.ndim) if d not in (*lhs_contracting, *lhs_batch)]
+  rhs_free = [d for d in range(rhs_scale.ndim) if d not in (*rhs_contracting, *rhs_batch)]
+  lhs_scale = jnp.transpose(lhs_scale, (*lhs_batch, *lhs_free, *lhs_contracting))
+  lhs_scale = lhs_scale.reshape(lhs_scale.shape[:len(lhs_batch) + len(lhs_free)]
+                                + (1,) * len(rhs_free))
+  rhs_scale = jnp.transpose(rhs_scale, (*rhs_batch, *rhs_free, *rhs_contracting))
+  rhs_scale = rhs_scale.reshape(rhs_scale.shape[:len(rhs_batch)] + (1,) * len(lhs_free)
+                                + rhs_scale.shape[len(rhs_batch):len(rhs_batch) + len(rhs_free)])
+  return lhs_scale * rhs_scale
+
+
+def _integer_dot(lhs_values, rhs_values, lhs_scale, rhs_scale, dimension_numbers,
+                 result_dtype, out_sharding):
+  accumulator = lax.dot_general(
+      lhs_values, rhs_values, dimension_numbers, preferred_element_type=jnp.int32,
+      out_sharding=out_sharding,
+  )
+  scale = _dot_scales(lhs_scale, rhs_scale, dimension_numbers)
+  return (accumulator.astype(jnp.float32) * scale).astype(result_dtype)
+
+
+def _per_tensor_lhs(lhs_scale, lhs_ndim):
+  return jnp.reshape(lhs_scale, (1,) * lhs_ndim)
+
+
+def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.Array:
+  """``values - zero_point`` exactly, as int16 (int8's differences fit it), or int8 for none."""
+  if zero_point is None:
+    return values
+  return values.astype(jnp.int16) - jnp.asarray(zero_point).astype(jnp.int16)
+
+
+def _static_lhs(function, lhs, input_scale, input_zero_point):
+  lhs = _dtypes.float_input(function, "lhs", jnp.asarray(lhs))
+  input_scale = _dtypes.scale_array(function, "input_scale", input_scale)
+  _validate.check(
+      input_scale.size == 1, function, "input_scale.shape", "one element (per tensor)",
+      input_scale.shape,
+  )
+  if input_zero_point is not None:
+    input_zero_point = jnp.asarray(input_zero_point)
+    if input_zero_point.weak_type:
+      input_zero_point = input_zero_point.astype(jnp.int8)
+    _validate.check(
+        input_zero_point.dtype in (np.dtype(np.int8), np.dtype(np.uint8)), function,
+        "input_zero_point.dtype", "int8 or uint8", input_zero_point.dtype.name,
+        error=TypeError,
+    )
+  values = _linear.quantize_linear(
+      lhs, input_scale.reshape(()),
+      None if input_zero_point is None else input_zero_point.reshape(()),
+      axis=None, output_dtype=jnp.int8,
+  )
+  return values, input_scale, input_zero_point
+
+
+def _matching(values, other):
+  """Both integer operands in one dtype, as lax's integer contractions need."""
+  if values.dtype == other.dtype:
+    return values, other
+  return values, other.astype(values.dtype)
+
+
+def dot_general_dynamic_int8(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+) -> jax.Array:
+  r"""``lax.dot_general`` with both operands quantized to int8 at run time, int32 accumulation.
+
+  .. math::
+
+    y = s_{lhs} \, s_{rhs} \sum_k q_{lhs} q_{rhs}, \quad
+    q = \mathrm{round}(x / s), \quad s = \max|x| / 127
+
+  with one symmetric scale per index of each operand's batch and free dims
+  (per token for activations, per output feature for a kernel), taken over
+  the contracting dims; the sum is exact in int32. Symmetric so that no
+  zero-point correction is needed. For ``nnx.Linear(dot_general=...)``,
+  linen's ``Dense(dot_general=...)``, ``nnx.Einsum`` through
+  :func:`replace_ops`, or direct calls. Not differentiable (the operands
+  are rounded to integers); train with :func:`dot_general_fake_quant`.
+
+  Args:
+    lhs: float activations.
+    rhs: float weights (or a second float operand).
+    dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
+    precision: ignored (integer arithmetic is exact).
+    preferred_element_type: the float dtype of the result; default the
+      operands' promoted dtype.
+    out_sharding: passed to the integer ``lax.dot_general``.
+
+  Returns:
+    The float result, shaped as ``lax.dot_general``'s.
+
+  Raises:
+    TypeError: if an operand is not a float array.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[1.0, -2.0, 0.5]])
+    >>> w = jnp.array([[0.5], [0.25], [-1.0]])
+    >>> jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ())))  # float: -0.5
+    Array([[-0.499969]], dtype=float32)
+  """
+  function = "dot_general_dynamic_int8"
+  (lhs_contracting, rhs_contracting), _ = dimension_numbers
+  lhs_values, lhs_scale = _quantize_int8(function, lhs, lhs_contracting)
+  rhs_values, rhs_scale = _quantize_int8(function, rhs, rhs_contracting)
+  return _integer_dot(
+      lhs_values, rhs_values, lhs_scale, rhs_scale, dimension_numbers,
+      _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
+  )
+
+
+def dot_general_static_int8(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+    input_scale: ArrayLike,
+    input_zero_point: ArrayLike | None = None,
+) -> jax.Array:
+  r"""``lax.dot_general`` with int8 activations at a calibrated (static) scale.
+
+  .. math::
+
+    y = s_{in} \, s_{rhs} \sum_k (q_{lhs} - z_{in}) \, q_{rhs}, \quad
+    q_{lhs} = \mathrm{saturate}(\mathrm{round}(x / s_{in}) + z_{in})
+
+  ``lhs`` is quantized with the given per-tensor scale and zero point (from
+  :func:`calibrate` or :func:`observer_qparams`); ``rhs`` symmetric int8 per
+  output feature as in :func:`dot_general_dynamic_int8`. The zero point is
+  subtracted in int16 before the integer contraction (exact), the sum is
+  int32. Bind the parameters with ``functools.partial`` to get
+  ``lax.dot_general``'s signature; :func:`calibrate` does.
+
+  Args:
+    lhs: float activations.
+    rhs: float weights.
+    dimension_numbers: as ``lax.dot_general``'s.
+    precision: ignored (integer arithmetic is exact).
+    preferred_element_type: the float dtype of the result.
+    out_sharding: passed to the integer ``lax.dot_general``.
+    input_scale: the activations' float scale, one element.
+    input_zero_point: int8 zero point, one element, or ``None`` (symmetric).
+
+  Returns:
+    The float result, shaped as ``lax.dot_general``'s.
+
+  Raises:
+    TypeError: if an operand is not a float array, or for a zero point that is not int8.
+    ValueError: if ``input_scale`` has more than one element.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[1.0, -2.0, 0.5]])
+    >>> w = jnp.array([[0.5], [0.25], [-1.0]])
+    >>> jq.dot_general_static_int8(x, w, (((1,), (0,)), ((), ())), input_scale=0.5)
+    Array([[-0.5]], dtype=float32)
+  """
+  function = "dot_general_static_int8"
+  (_, rhs_contracting), _ = dimension_numbers
+  lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
+  rhs_values, rhs_scale = _quantize_int8(function, rhs, rhs_contracting)
+  lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
+  return _integer_dot(
+      lhs_values, rhs_values, _per_tensor_lhs(scale, lhs_values.ndim), rhs_scale,
+      dimension_numbers, _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
+  )
+
+
+def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
+  scale = lax.stop_gradient(_symmetric_scale(x, reduced))
+  return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
+
+
+def dot_general_fake_quant(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+) -> jax.Array:
+  r"""``lax.dot_general`` of ``lhs`` fake-quantized to int8 per row, for training.
+
+  ``lhs`` goes through :func:`fake_quantize` with
+  :func:`dot_general_dynamic_int8`'s symmetric per-row scale (held constant
+  in the backward pass), so training sees inference's activation rounding;
+  ``rhs`` is used as given: give the layer weights fake-quantized by a
+  :class:`FakeQuantizedArray` (:func:`quantize_params` with
+  ``learnable=True``), whose scale LSQ learns. Straight-through gradient for
+  ``lhs``, the ordinary one for ``rhs``.
+
+  Args:
+    lhs: float activations.
+    rhs: float (fake-quantized) weights.
+    dimension_numbers: as ``lax.dot_general``'s.
+    precision: passed to ``lax.dot_general``.
+    preferred_element_type: passed to ``lax.dot_general``.
+    out_sharding: passed to ``lax.dot_general``.
+
+  Returns:
+    ``lax.dot_general(fake_quantize(lhs), rhs, ...)``.
+
+  Raises:
+    TypeError: if ``lhs`` is not a float array.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[1.0, -2.0, 0.3]])  # scale 2 / 127: 1.0 -> 64 steps, 0.3 -> 19
+    >>> jq.dot_general_fake_quant(x, jnp.eye(3), (((1,), (0,)), ((), ())))
+    Array([[ 1.007874 , -2.       ,  0.2992126]], dtype=float32)
+  """
+  (lhs_contracting, _), _ = dimension_numbers
+  lhs = _dtypes.float_input("dot_general_fake_quant", "lhs", jnp.asarray(lhs))
+  return lax.dot_general(
+      _fake_quantize_int8(lhs, lhs_contracting), rhs, dimension_numbers, precision,
+      preferred_element_type, out_sharding=out_sharding,
+  )
+
+
+def _conv_numbers(lhs, rhs, dimension_numbers):
+  return lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+
+
+def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
+  """The operands' scales laid out against the convolution's output."""
+  batch, feature = numbers.out_spec[0], numbers.out_spec[1]
+  shape = [1] * out_ndim
+  lhs_shape, rhs_shape = list(shape), list(shape)
+  lhs_shape[batch] = lhs_scale.size
+  rhs_shape[feature] = rhs_scale.size
+  return lhs_scale.reshape(lhs_shape) * rhs_scale.reshape(rhs_shape)
+
+
+def _integer_conv(function, lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
+                  numbers, arguments, preferred_element_type):
+  accumulator = lax.conv_general_dilated(
+      lhs_values, rhs_values, dimension_numbers=numbers,
+      preferred_element_type=jnp.int32, **arguments,
+  )
+  scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
+  return (accumulator.astype(jnp.float32) * scale).astype(
+      _result_dtype(lhs, rhs, preferred_element_type))
+
+
+def _rhs_per_output_feature(function, rhs, numbers):
+  out_feature = numbers.rhs_spec[0]
+  values, scale = _quantize_int8(
+      function, rhs, [d for d in range(jnp.ndim(rhs)) if d != out_feature])
+  return values, scale.reshape(-1)
+
+
+def conv_general_dilated_dynamic_int8(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    window_strides: Sequence[int],
+    padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+  r"""``lax.conv_general_dilated`` with int8 operands quantized at run time, int32 accumulation.
+
+  One symmetric scale per example of ``lhs`` (per tensor when
+  ``batch_group_count > 1``) and one per output feature of ``rhs``,
+  ``max|x| / 127``; the convolution runs on the integers (zero padding is
+  exact: 0 quantizes to 0) and the result is scaled back in float32. For
+  ``nnx.Conv(conv_general_dilated=...)``. Not differentiable; train with
+  :func:`conv_general_dilated_fake_quant`.
+
+  Args:
+    lhs: float input.
+    rhs: float kernel.
+    window_strides: as ``lax.conv_general_dilated``'s.
+    padding: as ``lax.conv_general_dilated``'s.
+    lhs_dilation: as ``lax.conv_general_dilated``'s.
+    rhs_dilation: as ``lax.conv_general_dilated``'s.
+    dimension_numbers: as ``lax.conv_general_dilated``'s.
+    feature_group_count: as ``lax.conv_general_dilated``'s.
+    batch_group_count: as ``lax.conv_general_dilated``'s.
+    precision: ignored (integer arithmetic is exact).
+    preferred_element_type: the float dtype of the result.
+    out_sharding: passed to the integer convolution.
+
+  Returns:
+    The float result, shaped as ``lax.conv_general_dilated``'s.
+
+  Raises:
+    TypeError: if an operand is not a float array.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[[1.0, 2.0, -1.0, 0.5]]])  # NCW
+    >>> w = jnp.array([[[1.0, -1.0]]])             # OIW
+    >>> jq.conv_general_dilated_dynamic_int8(x, w, (1,), "VALID")  # float: -1, 3, -1.5
+    Array([[[-0.992126,  3.007874, -1.511811]]], dtype=float32)
+  """
+  function = "conv_general_dilated_dynamic_int8"
+  numbers = _conv_numbers(lhs, rhs, dimension_numbers)
+  batch = numbers.lhs_spec[0]
+  reduced = [d for d in range(jnp.ndim(lhs)) if d != batch or batch_group_count > 1]
+  lhs_values, lhs_scale = _quantize_int8(function, lhs, reduced)
+  rhs_values, rhs_scale = _rhs_per_output_feature(function, rhs, numbers)
+  arguments = dict(
+      window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
+      batch_group_count=batch_group_count, out_sharding=out_sharding,
+  )
+  if batch_group_count > 1:
+    lhs_scale = lhs_scale.reshape(1)
+  return _integer_conv(function, lhs, rhs, lhs_values, lhs_scale.reshape(-1), rhs_values,
+                       rhs_scale, numbers, arguments, preferred_element_type)
+
+
+def conv_general_dilated_static_int8(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    window_strides: Sequence[int],
+    padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    *,
+    input_scale: ArrayLike,
+    input_zero_point: ArrayLike | None = None,
+) -> jax.Array:
+  r"""``lax.conv_general_dilated`` with int8 activations at a calibrated (static) scale.
+
+  ``lhs`` is quantized with the per-tensor ``input_scale`` and
+  ``input_zero_point``; the zero point is subtracted (in int16) before the
+  integer convolution, so zero padding still stands for 0.0 and the result
+  is exact up to the final float32 scaling. ``rhs`` is symmetric int8 per
+  output feature. Bind the parameters with ``functools.partial``
+  (:func:`calibrate` does).
+
+  Args:
+    lhs: float input.
+    rhs: float kernel.
+    window_strides: as ``lax.conv_general_dilated``'s.
+    padding: as ``lax.conv_general_dilated``'s.
+    lhs_dilation: as ``lax.conv_general_dilated``'s.
+    rhs_dilation: as ``lax.conv_general_dilated``'s.
+    dimension_numbers: as ``lax.conv_general_dilated``'s.
+    feature_group_count: as ``lax.conv_general_dilated``'s.
+    batch_group_count: as ``lax.conv_general_dilated``'s.
+    precision: ignored (integer arithmetic is exact).
+    preferred_element_type: the float dtype of the result.
+    out_sharding: passed to the integer convolution.
+    input_scale: the activations' float scale, one element.
+    input_zero_point: int8 zero point, one element, or ``None``.
+
+  Returns:
+    The float result, shaped as ``lax.conv_general_dilated``'s.
+
+  Raises:
+    TypeError: if an operand is not a float array, or for a zero point that is not int8.
+    ValueError: if ``input_scale`` has more than one element.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[[1.0, 2.0, -1.0, 0.5]]])
+    >>> w = jnp.array([[[1.0, -1.0]]])
+    >>> jq.conv_general_dilated_static_int8(x, w, (1,), "VALID", input_scale=0.5)
+    Array([[[-1. ,  3. , -1.5]]], dtype=float32)
+  """
+  function = "conv_general_dilated_static_int8"
+  numbers = _conv_numbers(lhs, rhs, dimension_numbers)
+  lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
+  rhs_values, rhs_scale = _rhs_per_output_feature(function, rhs, numbers)
+  lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
+  arguments = dict(
+      window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
+      batch_group_count=batch_group_count, out_sharding=out_sharding,
+  )
+  return _integer_conv(function, lhs, rhs, lhs_values, scale.reshape(1), rhs_values,
+                       rhs_scale, numbers, arguments, preferred_element_type)
+
+
+def conv_general_dilated_fake_quant(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    window_strides: Sequence[int],
+    padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+  r"""``lax.conv_general_dilated`` of ``lhs`` fake-quantized to int8 per example, for training.
+
+  The training twin of :func:`conv_general_dilated_dynamic_int8`: ``lhs``
+  through :func:`fake_quantize` with its per-example symmetric scale (held
+  constant in the backward pass), ``rhs`` as given (fake-quantize weights
+  with :func:`quantize_params`, ``learnable=True``).
+
+  Args:
+    lhs: float input.
+    rhs: float (fake-quantized) kernel.
+    window_strides: as ``lax.conv_general_dilated``'s.
+    padding: as ``lax.conv_general_dilated``'s.
+    lhs_dilation: as ``lax.conv_general_dilated``'s.
+    rhs_dilation: as ``lax.conv_general_dilated``'s.
+    dimension_numbers: as ``lax.conv_general_dilated``'s.
+    feature_group_count: as ``lax.conv_general_dilated``'s.
+    batch_group_count: as ``lax.conv_general_dilated``'s.
+    precision: passed to ``lax.conv_general_dilated``.
+    preferred_element_type: passed to ``lax.conv_general_dilated``.
+    out_sharding: passed to ``lax.conv_general_dilated``.
+
+  Returns:
+    ``lax.conv_general_dilated(fake_quantize(lhs), rhs, ...)``.
+
+  Raises:
+    TypeError: if ``lhs`` is not a float array.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[[1.0, 2.0, -1.0, 0.3]]])  # scale 2 / 127
+    >>> jq.conv_general_dilated_fake_quant(x, jnp.ones((1, 1, 1)), (1,), "VALID")
+    Array([[[ 1.007874 ,  2.       , -1.007874 ,  0.2992126]]], dtype=float32)
+  """
+  numbers = _conv_numbers(lhs, rhs, dimension_numbers)
+  lhs = _dtypes.float_input("conv_general_dilated_fake_quant", "lhs", jnp.asarray(lhs))
+  batch = numbers.lhs_spec[0]
+  reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
+  return lax.conv_general_dilated(
+      _fake_quantize_int8(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
+      rhs_dilation, numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type, out_sharding=out_sharding,
+  )
+
+
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+Op = Callable[..., jax.Array] | Mapping[str, Callable[..., jax.Array]]
+
+
+def _chosen(op: Op | None, path: str):
+  if isinstance(op, Mapping):
+    return op.get(path)
+  return op
+
+
+def layers(module: Any) -> dict[str, tuple[Any, str]]:
+  """Every object under ``module`` with a ``dot_general``, ``conv_general_dilated`` or ``einsum_op``.
+
+  Walks attributes (not starting with ``_``), lists, tuples and dicts, each
+  object once; paths are ``/``-joined attribute names and indices, as
+  :func:`quantize_params` names parameters (``"layers/0"``).
+
+  Returns:
+    ``{path: (layer, attribute)}``.
+  """
+  found, seen = {}, set()
+
+  def visit(node, path):
+    if id(node) in seen or isinstance(node, (str, bytes, int, float, jax.Array, np.ndarray)):
+      return
+    seen.add(id(node))
+    if isinstance(node, (list, tuple)):
+      children = [(str(i), child) for i, child in enumerate(node)]
+    elif isinstance(node, Mapping):
+      children = [(str(key), child) for key, child in node.items()]
+    else:
+      attributes = getattr(node, "__dict__", None)
+      if attributes is None or isinstance(node, _FUNCTIONS):
+        return
+      for attribute in ("dot_general", "conv_general_dilated", "einsum_op"):
+        if callable(attributes.get(attribute)):
+          found["/".join(path)] = (node, attribute)
+      children = [(key, child) for key, child in attributes.items()
+                  if not key.startswith("_") and not isinstance(child, _FUNCTIONS)]
+    for key, child in children:
+      visit(child, path + (key,))
+
+  visit(module, ())
+  return found
+
+
+def replace_ops(
+    module: Any,
+    *,
+    dot_general: Op | None = None,
+    conv_general_dilated: Op | None = None,
+) -> list[str]:
+  """Swaps the contractions of every layer of an existing model, in place.
+
+  Duck-typed: any object under ``module`` (see :func:`layers`) with a
+  callable ``dot_general`` attribute (Flax ``nnx.Linear``,
+  ``nnx.LinearGeneral``, linen modules built with one) gets ``dot_general``;
+  one with ``einsum_op`` (``nnx.Einsum``) gets ``jnp.einsum`` running on
+  ``dot_general``; one with ``conv_general_dilated`` (``nnx.Conv``) gets
+  ``conv_general_dilated``. Either may be a mapping from layer path to
+  function (layers it lacks keep theirs), as :func:`calibrate` returns.
+
+  Args:
+    module: a model object (e.g. a Flax NNX module).
+    dot_general: a ``lax.dot_general`` drop-in, a mapping of them, or ``None``.
+    conv_general_dilated: a ``lax.conv_general_dilated`` drop-in, a mapping,
+      or ``None``.
+
+  Returns:
+    The paths of the layers changed.
+
+  Example:
+    >>> import jaxquant as jq
+    >>> class Dense:
+    ...   def __init__(self):
+    ...     self.dot_general = None
+    >>> class Model:
+    ...   def __init__(self):
+    ...     self.layers = [Dense(), Dense()]
+    >>> model = Model()
+    >>> model.layers[0].dot_general = model.layers[1].dot_general = print
+    >>> jq.replace_ops(model, dot_general=jq.dot_general_dynamic_int8)
+    ['layers/0', 'layers/1']
+  """
+  changed = []
+  for path, (layer, attribute) in layers(module).items():
+    if attribute == "conv_general_dilated":
+      op = _chosen(conv_general_dilated, path)
+    else:
+      op = _chosen(dot_general, path)
+      if op is not None and attribute == "einsum_op":
+        op = functools.partial(jnp.einsum, _dot_general=op)
+    if op is not None:
+      setattr(layer, attribute, op)
+      changed.append(path)
+  return changed
