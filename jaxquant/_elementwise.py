@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +37,11 @@ def _operand(function, name, values, scale, zero_point):
   return values, info, _per_tensor(function, f"{name}_scale", scale), zero_point
 
 
+def _is_nan(x: jax.Array) -> jax.Array:
+  """``isnan(x)`` for float32 x, read off its bits."""
+  return (lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF) > 0x7F800000
+
+
 def _add_formula(
     a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point,
     *, a_info, b_info, out_info,
@@ -46,9 +52,11 @@ def _add_formula(
   total = a_value + b_value
   # XLA:CPU's code generator contracts a product feeding an add into one FMA,
   # which rounds once where the formula rounds each product first (a tie
-  # then breaks the other way). A second use of each product, which LLVM
-  # cannot fold (it would change a NaN's payload), keeps them apart.
-  total = jnp.where(jnp.isnan(a_value), a_value, jnp.where(jnp.isnan(b_value), b_value, total))
+  # then breaks the other way). LLVM fuses only a product with no other use,
+  # so each product gets a second one that changes nothing (NaN stays NaN):
+  # a NaN test on its bits, which LLVM cannot fold even where it proves the
+  # product is never NaN (compile-time constant scales); ``isnan`` it folds.
+  total = jnp.where(_is_nan(a_value), a_value, jnp.where(_is_nan(b_value), b_value, total))
   return _linear.quantize_formula(
       total, out_scale, out_zero_point,
       info=out_info, precision=np.dtype(np.float32), saturate=True,

@@ -229,8 +229,6 @@ def test_quantized_add(implementation, data, seed):
     return jq.quantized_add(a, scales[0], a_zero_point, b, scales[1], b_zero_point, scales[2],
                             out_zero_point, implementation=implementation)
 
-  # The scales are arguments: with compile-time constant scales XLA:CPU may
-  # still fuse a product into the sum (J6 in docs/numerics.md).
   _four_ways(op, (*pairs[0], scales), (*pairs[1], scales))
 
 
