@@ -21,6 +21,9 @@ from jaxquant._fake import fake_quantize_learnable as fake_quantize_learnable
 from jaxquant._fake import lsq_grad_factor as lsq_grad_factor
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
+from jaxquant._matmul import matmul_integer as matmul_integer
+from jaxquant._matmul import qlinear_matmul as qlinear_matmul
+from jaxquant._matmul import quantized_dot_general as quantized_dot_general
 from jaxquant._packing import pack as pack
 from jaxquant._packing import pack_int4 as pack_int4
 from jaxquant._packing import unpack as unpack
@@ -56,13 +59,16 @@ __all__ = (
     "fake_quantize_learnable",
     "init_observer",
     "lsq_grad_factor",
+    "matmul_integer",
     "observe",
     "observer_qparams",
     "pack",
     "pack_int4",
+    "qlinear_matmul",
     "quantize_linear",
     "quantize_params",
     "quantized_add",
+    "quantized_dot_general",
     "replace_ops",
     "unpack",
     "unpack_int4",

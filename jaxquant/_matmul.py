@@ -1,0 +1,621 @@
+"""Quantized matrix products (docs/numerics.md, "Quantized matmul").
+
+ONNX MatMulInteger and QLinearMatMul, onnxruntime's com.microsoft
+MatMulNBits, and the general :func:`quantized_dot_general` they build on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _bind
+from jaxquant import _dispatch
+from jaxquant import _dtypes
+from jaxquant import _fake
+from jaxquant import _linear
+from jaxquant import _packing
+from jaxquant import _validate
+import pallas_kernels
+
+DimensionNumbers = tuple[
+    tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
+]
+_INT8 = np.dtype(np.int8)
+_UINT8 = np.dtype(np.uint8)
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
+
+
+def _dimension_numbers(function: str, value: Any) -> DimensionNumbers:
+  """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` as nested tuples."""
+  try:
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = value
+    return (
+        (tuple(map(int, lhs_contracting)), tuple(map(int, rhs_contracting))),
+        (tuple(map(int, lhs_batch)), tuple(map(int, rhs_batch))),
+    )
+  except (TypeError, ValueError):
+    _validate.fail(
+        function, "dimension_numbers",
+        "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)) as in lax.dot_general",
+        repr(value), error=TypeError,
+    )
+
+
+class _Side:
+  """One operand's dimensions: contracting, batch and free, in dot_general's order."""
+
+  def __init__(self, ndim: int, contracting: tuple[int, ...], batch: tuple[int, ...]):
+    self.ndim = ndim
+    self.contracting = contracting
+    self.batch = batch
+    self.free = tuple(d for d in range(ndim) if d not in contracting and d not in batch)
+
+  def parameter(self, function: str, argument: str, value: jax.Array, shape) -> jax.Array:
+    """Checks that ``value`` is per-tensor or constant along the contracting dims."""
+    if value.size == 1:
+      return value.reshape(())
+    _validate.check(
+        value.ndim == self.ndim
+        and all(value.shape[d] == 1 for d in self.contracting)
+        and all(value.shape[d] in (1, shape[d]) for d in range(self.ndim)),
+        function, f"{argument}.shape",
+        f"one element, or rank {self.ndim} with 1 on the contracting dims "
+        f"{self.contracting} and 1 or the operand's size elsewhere (operand shape {shape})",
+        value.shape,
+    )
+    return value
+
+  def to_output(self, value: jax.Array, *, lhs: bool, other_free: int) -> jax.Array:
+    """``value`` (operand rank, size 1 on contracting dims) broadcastable to the output.
+
+    The output of ``dot_general`` is (batch, lhs free, rhs free).
+    """
+    if value.ndim == 0:
+      return value
+    shape = jnp.transpose(value, self.batch + self.free + self.contracting).shape
+    batch, free = shape[:len(self.batch)], shape[len(self.batch):self.ndim - len(self.contracting)]
+    ones = (1,) * other_free
+    value = jnp.transpose(value, self.batch + self.free + self.contracting)
+    return value.reshape(batch + free + ones if lhs else batch + ones + free)
+
+
+def _signed(x: jax.Array, zero_point: jax.Array | None, info) -> tuple[jax.Array, jax.Array | None]:
+  """An int8 (or int32) operand and int32 zero point with the same differences ``x - zp``.
+
+  uint8 ``x`` is ``int8(x ^ 0x80) + 128``, so ``x - zp = int8(x ^ 0x80) - (zp - 128)``:
+  the bytes are reinterpreted and the zero point moves by 128, both exactly.
+  """
+  zero_point = None if zero_point is None else zero_point.astype(jnp.int32)
+  if x.dtype == _UINT8:
+    x = lax.bitcast_convert_type(x ^ np.uint8(0x80), jnp.int8)
+    zero_point = jnp.int32(-128) if zero_point is None else zero_point - 128
+  elif info.bits < 8:
+    x = x.astype(jnp.int8)
+  elif info.bits > 8:
+    x = x.astype(jnp.int32)
+  return x, zero_point
+
+
+def integer_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    lhs_zero_point: jax.Array | None,
+    rhs_zero_point: jax.Array | None,
+    dimension_numbers: DimensionNumbers,
+    *,
+    lhs_info,
+    rhs_info,
+) -> jax.Array:
+  r"""``sum_k (lhs - lhs_zp) (rhs - rhs_zp)`` in int32, wrapping as ONNX's int32 does.
+
+  With :math:`a' , b'` the int8 operands of :func:`_signed` and their zero
+  points :math:`z_a, z_b`:
+
+  .. math::
+
+    \sum_k (a' - z_a)(b' - z_b) = a' \cdot b' - z_b \sum_k a' - z_a \sum_k b' + K z_a z_b
+
+  an identity over the integers and so over int32's wrap-around ring: every
+  term may wrap, the result is ONNX's int32 result.
+  """
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  lhs_side = _Side(lhs.ndim, lhs_contracting, lhs_batch)
+  rhs_side = _Side(rhs.ndim, rhs_contracting, rhs_batch)
+  lhs, lhs_zero_point = _signed(lhs, lhs_zero_point, lhs_info)
+  rhs, rhs_zero_point = _signed(rhs, rhs_zero_point, rhs_info)
+  accumulator = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  to_lhs = functools.partial(lhs_side.to_output, lhs=True, other_free=len(rhs_side.free))
+  to_rhs = functools.partial(rhs_side.to_output, lhs=False, other_free=len(lhs_side.free))
+  if rhs_zero_point is not None:
+    lhs_sums = jnp.sum(lhs, lhs_contracting, dtype=jnp.int32, keepdims=True)
+    accumulator = accumulator - to_lhs(lhs_sums) * to_rhs(rhs_zero_point)
+  if lhs_zero_point is not None:
+    rhs_sums = jnp.sum(rhs, rhs_contracting, dtype=jnp.int32, keepdims=True)
+    accumulator = accumulator - to_lhs(lhs_zero_point) * to_rhs(rhs_sums)
+  if lhs_zero_point is not None and rhs_zero_point is not None:
+    # K * z_a * z_b with K reduced mod 2**32, like every other term.
+    depth = np.array(math.prod(lhs.shape[d] for d in lhs_contracting) % 2**32, np.uint32)
+    depth = depth.view(np.int32)
+    accumulator = accumulator + depth * to_lhs(lhs_zero_point) * to_rhs(rhs_zero_point)
+  return accumulator
+
+
+def _operand(function, name, x, zero_point):
+  x = jnp.asarray(x)
+  info = _dtypes.quantized_dtype(function, f"{name}.dtype", x.dtype, integer=True)
+  _validate.check(
+      info.bits <= 16, function, f"{name}.dtype", "an integer dtype of at most 16 bits",
+      info.name, error=TypeError,
+  )
+  return x, info, _linear.zero_point_array(function, f"{name}_zero_point", zero_point, info.dtype)
+
+
+def _check_dimensions(function, lhs_shape, rhs_shape, dimension_numbers):
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  for name, dims, shape in [
+      ("lhs_contracting", lhs_contracting, lhs_shape), ("rhs_contracting", rhs_contracting,
+                                                        rhs_shape),
+      ("lhs_batch", lhs_batch, lhs_shape), ("rhs_batch", rhs_batch, rhs_shape),
+  ]:
+    _validate.check(
+        all(0 <= d < len(shape) for d in dims), function, f"dimension_numbers' {name}",
+        f"dims in [0, {len(shape)}) (non-negative, as lax.dot_general takes them)", dims,
+    )
+  _validate.check(
+      [lhs_shape[d] for d in lhs_contracting] == [rhs_shape[d] for d in rhs_contracting],
+      function, "rhs.shape", f"equal to lhs.shape {lhs_shape} on the contracting dims",
+      rhs_shape,
+  )
+
+
+@_bind.op(preferred_element_type=_bind.dtype)
+def quantized_dot_general(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    dimension_numbers: Any,
+    *,
+    lhs_scale: ArrayLike | None = None,
+    lhs_zero_point: ArrayLike | None = None,
+    rhs_scale: ArrayLike | None = None,
+    rhs_zero_point: ArrayLike | None = None,
+    preferred_element_type: DTypeLike | None = None,
+) -> jax.Array:
+  r"""A quantized ``lax.dot_general``: integer products, int32 accumulation, scales after.
+
+  .. math::
+
+    \mathrm{acc} = \sum_k (\mathrm{lhs} - z_l)(\mathrm{rhs} - z_r), \qquad
+    y = \mathrm{float32}(\mathrm{acc}) \cdot (s_l \, s_r)
+
+  ``acc`` is int32 and wraps around as ONNX's MatMulInteger does. Without
+  scales the result is ``acc`` (MatMulInteger); with a scale (a missing one
+  is 1) it is ``y``, each element rounded once from ``float32(acc)`` times
+  the float32 product of the two scales, as onnxruntime's dynamically
+  quantized MatMulInteger + Mul models compute it. uint8 operands are
+  reinterpreted as int8 with their zero point moved by 128, so every
+  backend runs an int8 x int8 -> int32 dot (XLA:CPU widens uint8 x int8 to
+  int32 arithmetic, several times slower), plus zero-point corrections
+  from the operands' sums along the contracted dims.
+
+  Scales and zero points are per tensor (one element) or have the operand's
+  rank with size 1 on its contracting dims (per row of lhs, per column of
+  rhs, per batch).
+
+  Float operands are quantization-aware training: each is quantized with
+  its scale and zero point (to the zero point's dtype, int8 without one; as
+  :func:`quantize_linear`), the product is the integer one above, and the
+  derivatives are those of ``dot_general`` of :func:`fake_quantize`'d
+  operands (straight-through, masked where an operand saturates; the
+  scales receive fake_quantize's derivatives). Integer operands carry no
+  gradient.
+
+  Args:
+    lhs: integer (int8, uint8, 4- or 16-bit) or, with ``lhs_scale``, float operand.
+    rhs: the other operand, likewise.
+    dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
+      rhs_batch))``, as for ``lax.dot_general``.
+    lhs_scale: float32, float16 or bfloat16 scale of ``lhs``, or ``None``.
+    lhs_zero_point: zero point of ``lhs`` in its dtype, or ``None`` for 0.
+    rhs_scale: scale of ``rhs``, or ``None``.
+    rhs_zero_point: zero point of ``rhs``, or ``None`` for 0.
+    preferred_element_type: int32 (the default) without scales; float32 (the
+      default), float16 or bfloat16 with them, rounded once from float32.
+
+  Returns:
+    ``lax.dot_general``'s output shape: (batch, lhs free, rhs free) dims.
+
+  Raises:
+    TypeError: for unsupported dtypes, float operands without a scale, or
+      malformed ``dimension_numbers``.
+    ValueError: for parameters that vary along a contracting dim, or
+      operands whose contracting dims differ.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> a = jnp.array([[0, 255], [128, 130]], jnp.uint8)
+    >>> b = jnp.array([[1, -2], [3, 4]], jnp.int8)
+    >>> dims = (((1,), (0,)), ((), ()))
+    >>> jq.quantized_dot_general(a, b, dims, lhs_zero_point=jnp.uint8(128))
+    Array([[253, 764],
+           [  6,   8]], dtype=int32)
+    >>> jq.quantized_dot_general(a, b, dims, lhs_scale=0.5, lhs_zero_point=jnp.uint8(128))
+    Array([[126.5, 382. ],
+           [  3. ,   4. ]], dtype=float32)
+  """
+  function = "quantized_dot_general"
+  dimension_numbers = _dimension_numbers(function, dimension_numbers)
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if jnp.issubdtype(lhs.dtype, jnp.floating) or jnp.issubdtype(rhs.dtype, jnp.floating):
+    return _fake_quantized_dot(
+        function, lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point, rhs_scale,
+        rhs_zero_point, preferred_element_type,
+    )
+  return _quantized_dot(
+      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("dimension_numbers", "preferred_element_type"))
+def _quantized_dot(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point, *,
+                   dimension_numbers, preferred_element_type):
+  return _integer_product(
+      "quantized_dot_general", lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+  )
+
+
+def _scaled(function, accumulator, lhs_scale, rhs_scale, sides, preferred_element_type):
+  """``float32(acc) * (lhs_scale * rhs_scale)`` rounded once to the output dtype."""
+  if lhs_scale is None and rhs_scale is None:
+    _validate.check(
+        preferred_element_type in (None, _INT32), function, "preferred_element_type",
+        "None or int32 without scales", preferred_element_type,
+    )
+    return accumulator
+  output_dtype = _dtypes.float_dtype(
+      function, "preferred_element_type",
+      _FLOAT32 if preferred_element_type is None else preferred_element_type,
+  )
+  lhs_side, rhs_side = sides
+  scale = jnp.ones((), jnp.float32)
+  if lhs_scale is not None:
+    scale = lhs_side.to_output(
+        lhs_scale.astype(jnp.float32), lhs=True, other_free=len(rhs_side.free))
+  if rhs_scale is not None:
+    scale = scale * rhs_side.to_output(
+        rhs_scale.astype(jnp.float32), lhs=False, other_free=len(lhs_side.free))
+  return (accumulator.astype(jnp.float32) * scale).astype(output_dtype)
+
+
+def _prepare(function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+             dimension_numbers, names=("lhs", "rhs")):
+  """Validated integer operands and parameters, with their sides."""
+  lhs, lhs_info, lhs_zero_point = _operand(function, names[0], lhs, lhs_zero_point)
+  rhs, rhs_info, rhs_zero_point = _operand(function, names[1], rhs, rhs_zero_point)
+  _check_dimensions(function, lhs.shape, rhs.shape, dimension_numbers)
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  sides = (_Side(lhs.ndim, lhs_contracting, lhs_batch),
+           _Side(rhs.ndim, rhs_contracting, rhs_batch))
+  parameters = []
+  for side, name, x, scale, zero_point in [
+      (sides[0], names[0], lhs, lhs_scale, lhs_zero_point),
+      (sides[1], names[1], rhs, rhs_scale, rhs_zero_point),
+  ]:
+    if scale is not None:
+      scale = side.parameter(
+          function, f"{name}_scale", _dtypes.scale_array(function, f"{name}_scale", scale),
+          x.shape)
+    if zero_point is not None:
+      zero_point = side.parameter(function, f"{name}_zero_point", zero_point, x.shape)
+    parameters += [scale, zero_point]
+  return lhs, rhs, (lhs_info, rhs_info), sides, parameters
+
+
+def _integer_product(function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+                     *, dimension_numbers, preferred_element_type, names=("lhs", "rhs")):
+  lhs, rhs, (lhs_info, rhs_info), sides, parameters = _prepare(
+      function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      dimension_numbers, names)
+  lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point = parameters
+  accumulator = integer_dot(
+      lhs, rhs, lhs_zero_point, rhs_zero_point, dimension_numbers,
+      lhs_info=lhs_info, rhs_info=rhs_info,
+  )
+  return _scaled(function, accumulator, lhs_scale, rhs_scale, sides, preferred_element_type)
+
+
+def _fake_quantized_dot(function, lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point,
+                        rhs_scale, rhs_zero_point, preferred_element_type):
+  """Float operands: the integer product's values, fake quantization's derivatives."""
+  operands = []
+  for name, x, scale, zero_point in [("lhs", lhs, lhs_scale, lhs_zero_point),
+                                     ("rhs", rhs, rhs_scale, rhs_zero_point)]:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      operands.append((x, scale, zero_point, None))
+      continue
+    _validate.check(
+        scale is not None, function, f"{name}_scale",
+        f"given for a float {name} (it is quantized with it)", None, error=TypeError,
+    )
+    dtype = _INT8 if zero_point is None else jnp.asarray(zero_point).dtype
+    operands.append((x, jnp.asarray(scale), zero_point, np.dtype(dtype)))
+  (lhs, lhs_scale, lhs_zero_point, lhs_dtype), (rhs, rhs_scale, rhs_zero_point, rhs_dtype) = (
+      operands)
+  return _fake_quantized_dot_jit(
+      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+      dtypes=(lhs_dtype, rhs_dtype),
+  )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("dimension_numbers", "preferred_element_type", "dtypes"))
+def _fake_quantized_dot_jit(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point, *,
+                            dimension_numbers, preferred_element_type, dtypes):
+  # A same-rank scale with 1 on the contracting dims is a block-wise broadcast
+  # scale to quantize_linear: one scale per (row, all of K) block.
+  def quantized(x, scale, zero_point, dtype):
+    if dtype is None:
+      return x
+    return _linear.quantize_linear(x, scale, zero_point, axis=None, output_dtype=dtype)
+
+  def fake(x, scale, zero_point, dtype):
+    if dtype is None:  # an integer operand: its values
+      x = x.astype(jnp.float32)
+      x = x if zero_point is None else x - jnp.asarray(zero_point).astype(jnp.float32)
+      return x if scale is None else x * jnp.asarray(scale).astype(jnp.float32)
+    return _fake.fake_quantize(x, scale, zero_point, dtype=dtype, axis=None)
+
+  def integer(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point):
+    return _integer_product(
+        "quantized_dot_general",
+        quantized(lhs, lhs_scale, lhs_zero_point, dtypes[0]),
+        quantized(rhs, rhs_scale, rhs_zero_point, dtypes[1]),
+        lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+        dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+    )
+
+  def reference(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point):
+    output_dtype = _FLOAT32 if preferred_element_type is None else preferred_element_type
+    return lax.dot_general(
+        fake(lhs, lhs_scale, lhs_zero_point, dtypes[0]),
+        fake(rhs, rhs_scale, rhs_zero_point, dtypes[1]),
+        dimension_numbers, precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    ).astype(output_dtype)
+
+  return _dispatch.with_xla_derivatives(integer, reference)(
+      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point)
+
+
+def _matmul_operands(function, a, b):
+  """ONNX MatMul's operands as rank >= 2 arrays, their dimension numbers and output shape."""
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  _validate.check(a.ndim >= 1, function, "a.shape", "at least 1-D (ONNX MatMul)", a.shape)
+  _validate.check(b.ndim >= 1, function, "b.shape", "at least 1-D (ONNX MatMul)", b.shape)
+  a2 = a[None] if a.ndim == 1 else a
+  b2 = b[:, None] if b.ndim == 1 else b
+  _validate.check(
+      a2.shape[-1] == b2.shape[-2], function, "b.shape",
+      f"(..., {a2.shape[-1]}, N) to multiply a.shape {a.shape}", b.shape,
+  )
+  if b2.ndim == 2:
+    # A weight matrix: one dot over a's leading dims, nothing broadcast.
+    dimension_numbers = (((a2.ndim - 1,), (0,)), ((), ()))
+  else:
+    try:
+      batch = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    except ValueError:
+      _validate.fail(function, "b.shape", f"batch-broadcastable with a.shape {a.shape}",
+                     b.shape)
+    a2 = jnp.broadcast_to(a2, batch + a2.shape[-2:])
+    b2 = jnp.broadcast_to(b2, batch + b2.shape[-2:])
+    n = len(batch)
+    dimension_numbers = (((n + 1,), (n,)), (tuple(range(n)), tuple(range(n))))
+  shape = a2.shape[:-1] + b2.shape[-1:]
+  if a.ndim == 1:
+    shape = shape[:-2] + shape[-1:]
+  if b.ndim == 1:
+    shape = shape[:-1]
+  return a2, b2, dimension_numbers, shape
+
+
+def _per_row(function, argument, value, operand_ndim, *, rows: bool):
+  """An ONNX per-tensor, 1-D (per row of a / column of b) or N-D parameter in operand rank."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if value.size == 1 and value.ndim <= 1:
+    return value.reshape(())
+  if value.ndim == 1:
+    value = value[:, None] if rows else value[None, :]
+  _validate.check(
+      value.ndim <= operand_ndim, function, f"{argument}.shape",
+      f"one element, 1-D, or of at most the operand's rank {operand_ndim}", value.shape,
+  )
+  return value.reshape((1,) * (operand_ndim - value.ndim) + value.shape)
+
+
+def _onnx_zero_points(function, a, b, a_zero_point, b_zero_point):
+  """Zero points as the operands' dtype (a Python int takes it), in operand rank."""
+  a_zero_point = _linear.zero_point_array(function, "a_zero_point", a_zero_point, a.dtype)
+  b_zero_point = _linear.zero_point_array(function, "b_zero_point", b_zero_point, b.dtype)
+  return (_per_row(function, "a_zero_point", a_zero_point, a.ndim, rows=True),
+          _per_row(function, "b_zero_point", b_zero_point, b.ndim, rows=False))
+
+
+def _check_onnx_zero_points(function: str, arguments: dict) -> None:
+  for name in ("a", "b"):
+    _dtypes.check_host_zero_point(
+        function, f"{name}_zero_point", arguments[f"{name}_zero_point"],
+        getattr(arguments[name], "dtype", None),
+    )
+
+
+@_bind.op(jit=True, check=_check_onnx_zero_points)
+def matmul_integer(
+    a: ArrayLike,
+    b: ArrayLike,
+    a_zero_point: ArrayLike | None = None,
+    b_zero_point: ArrayLike | None = None,
+) -> jax.Array:
+  r"""ONNX MatMulInteger: ``(a - a_zero_point) @ (b - b_zero_point)`` in int32.
+
+  .. math::
+
+    y_{mn} = \sum_k (a_{mk} - z_{a,m}) (b_{kn} - z_{b,n})
+
+  accumulated in int32, wrapping around on overflow as ONNX's int32 does
+  (:func:`quantized_dot_general`, which this calls). Shapes follow
+  ``numpy.matmul``: 1-D operands are promoted and the promoted dim removed,
+  batch dims broadcast. No gradient (integer output).
+
+  Args:
+    a: int8 or uint8 (or 4- or 16-bit integer) matrix, ``(..., M, K)`` or ``(K,)``.
+    b: int8 or uint8 (or 4- or 16-bit integer) matrix, ``(..., K, N)`` or ``(K,)``.
+    a_zero_point: a's dtype: one element (per tensor), ``(M,)`` (per row), or
+      a's rank with K replaced by 1; ``None`` for 0. A Python int takes a's dtype.
+    b_zero_point: b's dtype: one element, ``(N,)`` (per column), or b's rank
+      with K replaced by 1; ``None`` for 0.
+
+  Returns:
+    An int32 array of ``numpy.matmul``'s output shape.
+
+  Raises:
+    TypeError: for a float or unsupported operand or zero point dtype.
+    ValueError: if the shapes do not multiply, or a zero point fits no layout.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> a = jnp.array([[11, 7, 3], [10, 6, 2]], jnp.uint8)
+    >>> b = jnp.array([[1, 4], [2, 5], [3, 6]], jnp.uint8)
+    >>> jq.matmul_integer(a, b, jnp.uint8(12), jnp.uint8([0, 1]))
+    Array([[-38, -68],
+           [-44, -80]], dtype=int32)
+  """
+  function = "matmul_integer"
+  a2, b2, dimension_numbers, shape = _matmul_operands(function, a, b)
+  a_zero_point, b_zero_point = _onnx_zero_points(function, a2, b2, a_zero_point, b_zero_point)
+  accumulator = _integer_product(
+      function, a2, b2, None, a_zero_point, None, b_zero_point,
+      dimension_numbers=dimension_numbers, preferred_element_type=None, names=("a", "b"),
+  )
+  return accumulator.reshape(shape)
+
+
+def _check_qlinear_zero_points(function: str, arguments: dict) -> None:
+  _check_onnx_zero_points(function, arguments)
+  _dtypes.check_host_zero_point(
+      function, "y_zero_point", arguments["y_zero_point"],
+      arguments["output_dtype"] or getattr(arguments["a"], "dtype", None),
+  )
+
+
+@_bind.op(jit=True, output_dtype=_bind.dtype, check=_check_qlinear_zero_points)
+def qlinear_matmul(
+    a: ArrayLike,
+    a_scale: ArrayLike,
+    a_zero_point: ArrayLike | None,
+    b: ArrayLike,
+    b_scale: ArrayLike,
+    b_zero_point: ArrayLike | None,
+    y_scale: ArrayLike,
+    y_zero_point: ArrayLike | None = None,
+    *,
+    output_dtype: DTypeLike | None = None,
+) -> jax.Array:
+  r"""ONNX QLinearMatMul: a quantized matmul requantized to a quantized output.
+
+  .. math::
+
+    y = \mathrm{saturate}\left(\mathrm{round\_half\_to\_even}\left(
+        \mathrm{float32}(\mathrm{acc}) \cdot \frac{s_a s_b}{s_y}\right) + z_y\right)
+
+  where ``acc`` is :func:`matmul_integer`'s int32 accumulator and the
+  multiplier ``(s_a * s_b) / s_y`` is formed in float32 (each operation
+  rounded once), as onnxruntime computes it. Rounding and saturation are
+  :func:`quantize_linear`'s; the zero point is added after rounding, as the
+  ONNX operator's formula ``saturate(round(x / y_scale) + y_zero_point)``
+  says. ``onnx.reference`` adds it before rounding, in float64, so it
+  differs by 1 at exact ties with an odd zero point (docs/numerics.md).
+  Shapes follow ``numpy.matmul``. No gradient (integer output).
+
+  Args:
+    a: int8 or uint8 matrix ``(..., M, K)`` or ``(K,)``.
+    a_scale: float32 (or float16, bfloat16) scale of ``a``: one element or ``(M,)``.
+    a_zero_point: a's dtype, one element or ``(M,)``; ``None`` for 0.
+    b: int8 or uint8 matrix ``(..., K, N)`` or ``(K,)``.
+    b_scale: one element or ``(N,)`` (per column).
+    b_zero_point: b's dtype, one element or ``(N,)``; ``None`` for 0.
+    y_scale: the output's scale, one element.
+    y_zero_point: the output's zero point, one element; its dtype is the
+      output's; ``None`` for 0.
+    output_dtype: the output dtype when ``y_zero_point`` is ``None`` or a
+      Python int; default a's dtype.
+
+  Returns:
+    ``numpy.matmul``'s output shape, of y_zero_point's dtype, else
+    ``output_dtype``, else a's dtype.
+
+  Raises:
+    TypeError: for float or unsupported operand, scale or zero point dtypes.
+    ValueError: if the shapes do not multiply or a parameter fits no layout.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> a = jnp.array([[208, 236, 0, 238], [3, 214, 255, 29]], jnp.uint8)
+    >>> b = jnp.array([[152, 51], [244, 60], [26, 255], [0, 127]], jnp.uint8)
+    >>> jq.qlinear_matmul(a, 0.0066, jnp.uint8(113), b, 0.00705, jnp.uint8(114),
+    ...                   0.0107, jnp.uint8(118))
+    Array([[185,   1],
+           [144, 207]], dtype=uint8)
+  """
+  function = "qlinear_matmul"
+  a2, b2, dimension_numbers, shape = _matmul_operands(function, a, b)
+  a_info = _dtypes.quantized_dtype(function, "a.dtype", a2.dtype, integer=True)
+  out_info = _linear.quantized_output_dtype(
+      function, y_zero_point, output_dtype, argument="y_zero_point", default=a_info.dtype,
+      integer=True,
+  )
+  a_zero_point, b_zero_point = _onnx_zero_points(function, a2, b2, a_zero_point, b_zero_point)
+  a_scale = _per_row(function, "a_scale", _dtypes.scale_array(function, "a_scale", a_scale),
+                     a2.ndim, rows=True)
+  b_scale = _per_row(function, "b_scale", _dtypes.scale_array(function, "b_scale", b_scale),
+                     b2.ndim, rows=False)
+  y_scale = _dtypes.scale_array(function, "y_scale", y_scale)
+  y_zero_point = _linear.zero_point_array(function, "y_zero_point", y_zero_point, out_info.dtype)
+  for name, value in [("y_scale", y_scale), ("y_zero_point", y_zero_point)]:
+    _validate.check(
+        value is None or value.size == 1, function, f"{name}.shape",
+        "() or one element (per-tensor)", None if value is None else value.shape,
+    )
+  lhs, rhs, infos, sides, (a_scale, a_zero_point, b_scale, b_zero_point) = _prepare(
+      function, a2, b2, a_scale, a_zero_point, b_scale, b_zero_point, dimension_numbers,
+      ("a", "b"))
+  accumulator = integer_dot(
+      lhs, rhs, a_zero_point, b_zero_point, dimension_numbers,
+      lhs_info=infos[0], rhs_info=infos[1],
+  )
+  lhs_side, rhs_side = sides
+  multiplier = (
+      lhs_side.to_output(a_scale.astype(jnp.float32), lhs=True, other_free=len(rhs_side.free))
+      * rhs_side.to_output(b_scale.astype(jnp.float32), lhs=False, other_free=len(
+          lhs_side.free))
+  ) / y_scale.astype(jnp.float32).reshape(())
+  value = accumulator.astype(jnp.float32) * multiplier
+  y = _dtypes.round_and_saturate(
+      value, None if y_zero_point is None else y_zero_point.reshape(()), out_info)
+  return y.reshape(shape)

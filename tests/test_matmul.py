@@ -1,0 +1,240 @@
+"""Quantized matmul: MatMulInteger, QLinearMatMul, MatMulNBits, quantized_dot_general."""
+
+import jax
+from jax import export
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from onnx_oracle import run_onnxruntime, run_reference
+
+_DIMS = (((1,), (0,)), ((), ()))
+
+
+def _integers(rng, dtype, shape):
+  info = np.iinfo(dtype)
+  return rng.integers(info.min, info.max + 1, shape).astype(dtype)
+
+
+def _wrap32(x):
+  """int64 values reduced to int32 as two's complement wraps them."""
+  return ((np.asarray(x, np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+def _matmul_cases(seed, count):
+  """Random ONNX MatMul shapes (1-D, batched, broadcast batch) and 8-bit dtypes."""
+  rng = np.random.default_rng(seed)
+  for _ in range(count):
+    a_dtype, b_dtype = rng.choice([np.uint8, np.int8], 2)
+    m, k, n = rng.integers(1, 7, 3)
+    batch = tuple(int(d) for d in rng.integers(1, 3, rng.integers(0, 3)))
+    a_shape = {0: (k,), 1: (m, k), 2: batch + (m, k)}[rng.integers(3)]
+    b_shape = {0: (k, n), 1: (1,) * len(batch) + (k, n), 2: (k,)}[rng.integers(3)]
+    yield rng, _integers(rng, a_dtype, a_shape), _integers(rng, b_dtype, b_shape)
+
+
+def test_matmul_integer_matches_both_oracles():
+  for rng, a, b in _matmul_cases(0, 16):
+    a_zero_point = _integers(rng, a.dtype, ())
+    n = b.shape[-1] if b.ndim > 1 else 1
+    # Per-column b zero points as ONNX lays them out: (N,) for a matrix, (..., 1, N) batched.
+    b_zero_point = _integers(rng, b.dtype, () if b.ndim == 1 else (1,) * (b.ndim - 2) + (1, n))
+    if b.ndim == 2 and rng.random() < 0.5:
+      b_zero_point = b_zero_point.reshape(n)
+    inputs = {"a": a, "b": b, "a_zero_point": a_zero_point, "b_zero_point": b_zero_point}
+    expected = run_reference("MatMulInteger", inputs, np.int32)
+    np.testing.assert_array_equal(run_onnxruntime("MatMulInteger", inputs, np.int32), expected)
+    np.testing.assert_array_equal(jq.matmul_integer(a, b, a_zero_point, b_zero_point), expected)
+
+
+def test_matmul_integer_per_row_and_without_zero_points():
+  rng = np.random.default_rng(1)
+  a, b = _integers(rng, np.uint8, (2, 5, 7)), _integers(rng, np.int8, (7, 3))
+  a_zero_point = _integers(rng, np.uint8, (5,))
+  expected = np.matmul(a.astype(np.int32) - a_zero_point[:, None], b.astype(np.int32))
+  np.testing.assert_array_equal(jq.matmul_integer(a, b, a_zero_point), expected)
+  np.testing.assert_array_equal(
+      jq.matmul_integer(a, b), np.matmul(a.astype(np.int32), b.astype(np.int32)))
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", [(np.uint8, np.int8), (np.int8, np.int8),
+                                              (np.uint8, np.uint8), (np.int8, np.uint8)])
+def test_extremes_wrap_as_int32(a_dtype, b_dtype):
+  """Every extreme value and zero point, K large enough that the sums wrap around."""
+  k = 2**16 + 3
+  a_info, b_info = np.iinfo(a_dtype), np.iinfo(b_dtype)
+  a = np.array([[a_info.min] * k, [a_info.max] * k, [a_info.max, a_info.min] * (k // 2) + [0]],
+               a_dtype)
+  b = np.stack([np.full(k, b_info.min), np.full(k, b_info.max),
+                np.resize([b_info.max, b_info.min], k)], axis=1).astype(b_dtype)
+  for a_zero_point in (a_info.min, a_info.max):
+    for b_zero_point in (b_info.min, b_info.max):
+      exact = (a.astype(np.int64) - a_zero_point) @ (b.astype(np.int64) - b_zero_point)
+      got = jq.matmul_integer(a, b, a_dtype(a_zero_point), b_dtype(b_zero_point))
+      np.testing.assert_array_equal(got, _wrap32(exact))
+  # The naive formula in int32 wraps identically.
+  naive = np.matmul(a.astype(np.int32) - a_info.max, b.astype(np.int32) - b_info.min)
+  np.testing.assert_array_equal(
+      jq.matmul_integer(a, b, a_dtype(a_info.max), b_dtype(b_info.min)), naive)
+
+
+def test_quantized_dot_general_dimension_numbers():
+  """Contracting and batch dims anywhere, per-row / per-column / per-batch parameters."""
+  rng = np.random.default_rng(2)
+  lhs = _integers(rng, np.uint8, (3, 4, 2, 5))  # (K1, M, B, K2)
+  rhs = _integers(rng, np.int8, (2, 5, 6, 3))  # (B, K2, N, K1)
+  dims = (((0, 3), (3, 1)), ((2,), (0,)))
+  lhs_zero_point = _integers(rng, np.uint8, (1, 4, 2, 1))
+  rhs_zero_point = _integers(rng, np.int8, (2, 1, 6, 1))
+  exact = np.einsum("imbk,bkni->bmn", lhs.astype(np.int64) - lhs_zero_point,
+                    rhs.astype(np.int64) - rhs_zero_point)
+  accumulator = jq.quantized_dot_general(
+      lhs, rhs, dims, lhs_zero_point=lhs_zero_point, rhs_zero_point=rhs_zero_point)
+  np.testing.assert_array_equal(accumulator, _wrap32(exact))
+  lhs_scale = rng.uniform(0.01, 0.1, (1, 4, 1, 1)).astype(np.float32)
+  rhs_scale = rng.uniform(0.01, 0.1, (2, 1, 6, 1)).astype(np.float32)
+  scaled = jq.quantized_dot_general(
+      lhs, rhs, dims, lhs_scale=lhs_scale, lhs_zero_point=lhs_zero_point,
+      rhs_scale=rhs_scale, rhs_zero_point=rhs_zero_point)
+  scale = lhs_scale.reshape(1, 4, 1) * rhs_scale.reshape(2, 1, 6)
+  np.testing.assert_array_equal(scaled, np.asarray(accumulator).astype(np.float32) * scale)
+  as_bfloat16 = jq.quantized_dot_general(
+      lhs, rhs, dims, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
+      lhs_zero_point=lhs_zero_point, rhs_zero_point=rhs_zero_point,
+      preferred_element_type=jnp.bfloat16)
+  np.testing.assert_array_equal(as_bfloat16, scaled.astype(jnp.bfloat16))
+
+
+def test_qlinear_matmul_matches_onnxruntime_and_reference():
+  """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
+  ties = 0
+  for rng, a, b in _matmul_cases(3, 30):
+    if a.dtype == np.int8 and b.dtype == np.uint8:
+      continue  # onnxruntime 1.32.0 has no int8 x uint8 QLinearMatMul kernel
+    tie = rng.random() < 0.5
+    n = b.shape[-1] if b.ndim > 1 else 1
+    per_column = a.ndim > 1 and b.ndim > 1 and rng.random() < 0.5
+    column_shape = (1,) * (b.ndim - 2) + (1, n) if b.ndim > 2 else (n,)
+    b_scale = (rng.uniform(0.001, 0.05, column_shape if per_column else ())).astype(np.float32)
+    b_zero_point = _integers(rng, b.dtype, column_shape if per_column else ())
+    a_scale = np.float32(rng.uniform(0.001, 0.05))
+    y_scale = np.float32(rng.uniform(0.005, 0.5))
+    if tie:  # the multiplier is 2**-j: many accumulators land exactly on .5
+      a_scale, b_scale, b_zero_point = np.float32(1), np.float32(1), b_zero_point.reshape(-1)[0]
+      y_scale = np.float32(2.0 ** rng.integers(1, 8))
+    inputs = {
+        "a": a, "a_scale": a_scale, "a_zero_point": _integers(rng, a.dtype, ()),
+        "b": b, "b_scale": np.asarray(b_scale), "b_zero_point": b_zero_point,
+        "y_scale": y_scale, "y_zero_point": _integers(rng, a.dtype, ()),
+    }
+    inputs = {name: np.asarray(value) for name, value in inputs.items()}
+    got = np.asarray(jq.qlinear_matmul(*inputs.values()))
+    np.testing.assert_array_equal(got, run_onnxruntime("QLinearMatMul", inputs, a.dtype))
+    reference = run_reference("QLinearMatMul", inputs, a.dtype)
+    accumulator = np.asarray(jq.matmul_integer(a, b, inputs["a_zero_point"], b_zero_point))
+    value = accumulator.astype(np.float32) * (a_scale * b_scale / y_scale)
+    at_tie = (np.abs(value - np.trunc(value)) == 0.5) & (inputs["y_zero_point"] % 2 == 1)
+    np.testing.assert_array_equal(got[~at_tie], reference[~at_tie])
+    ties += int(np.sum(got != reference))
+  assert ties > 0, "no tie with an odd zero point was drawn: the deviation is untested"
+
+
+def test_qlinear_matmul_per_row_a():
+  rng = np.random.default_rng(4)
+  a, b = _integers(rng, np.int8, (4, 9)), _integers(rng, np.int8, (9, 3))
+  a_scale = rng.uniform(0.01, 0.1, 4).astype(np.float32)
+  a_zero_point = _integers(rng, np.int8, (4,))
+  got = jq.qlinear_matmul(a, a_scale, a_zero_point, b, 0.02, None, 0.05, np.int8(3))
+  accumulator = (a.astype(np.int32) - a_zero_point[:, None]) @ b.astype(np.int32)
+  value = accumulator.astype(np.float32) * (a_scale[:, None] * np.float32(0.02)
+                                            / np.float32(0.05))
+  np.testing.assert_array_equal(got, np.clip(np.rint(value) + 3, -128, 127).astype(np.int8))
+
+
+def test_call_styles():
+  """Eager, jit with traced and closed-over weights, vmap, export with a symbolic batch."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((6, 32)).astype(np.float32)
+  w = _integers(rng, np.int8, (32, 8))
+  w_scale = rng.uniform(0.01, 0.02, (1, 8)).astype(np.float32)
+
+  def layer(x, w):
+    q, scale, zero_point = jq.dynamic_quantize_linear(x)
+    return jq.quantized_dot_general(q, w, _DIMS, lhs_scale=scale, lhs_zero_point=zero_point,
+                                    rhs_scale=w_scale)
+
+  expected = layer(x, w)
+  np.testing.assert_array_equal(jax.jit(layer)(x, w), expected)
+  np.testing.assert_array_equal(jax.jit(lambda x: layer(x, w))(x), expected)
+  np.testing.assert_array_equal(jax.vmap(layer, in_axes=(0, None))(x[:, None], w)[:, 0],
+                                jnp.concatenate([layer(row[None], w) for row in x]))
+  (batch,) = export.symbolic_shape("b")
+  exported = export.export(jax.jit(lambda x: layer(x, w)))(
+      jax.ShapeDtypeStruct((batch, 32), jnp.float32))
+  np.testing.assert_array_equal(exported.call(x), expected)
+  q = _integers(rng, np.uint8, (6, 32))
+  exported = export.export(jax.jit(jq.matmul_integer))(
+      jax.ShapeDtypeStruct((batch, 32), jnp.uint8), jax.ShapeDtypeStruct((32, 8), jnp.int8),
+      jax.ShapeDtypeStruct((), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int8))
+  np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)),
+                                jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)))
+
+
+def test_fake_quantized_operands_straight_through():
+  """Float operands: the integer product's values, fake quantization's gradients."""
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((5, 16)).astype(np.float32) * 2
+  w = rng.standard_normal((16, 4)).astype(np.float32)
+  x_scale = np.float32(0.02)  # x saturates: the masked gradient is tested at the edges
+  w_scale = (np.abs(w).max(0, keepdims=True) / 127).astype(np.float32)
+
+  def quantized(x, w, x_scale, w_scale):
+    return jq.quantized_dot_general(x, w, _DIMS, lhs_scale=x_scale, lhs_zero_point=np.uint8(128),
+                                    rhs_scale=w_scale)
+
+  def reference(x, w, x_scale, w_scale):
+    x_fake = jq.fake_quantize(x, x_scale, np.uint8(128), dtype=jnp.uint8, axis=None)
+    w_fake = jq.fake_quantize(w, w_scale, dtype=jnp.int8, axis=None)
+    return jnp.dot(x_fake, w_fake, precision=jax.lax.Precision.HIGHEST)
+
+  x_q = jq.quantize_linear(x, x_scale, np.uint8(128))
+  w_q = jq.quantize_linear(w, w_scale, output_dtype=jnp.int8, axis=None)
+  np.testing.assert_array_equal(
+      quantized(x, w, x_scale, w_scale),
+      jq.quantized_dot_general(x_q, w_q, _DIMS, lhs_scale=x_scale, lhs_zero_point=np.uint8(128),
+                               rhs_scale=w_scale))
+  np.testing.assert_allclose(quantized(x, w, x_scale, w_scale), reference(x, w, x_scale, w_scale),
+                             rtol=1e-5, atol=1e-5)
+
+  def loss(function):
+    return lambda *args: jnp.sum(jnp.sin(function(*args)))
+
+  got = jax.grad(loss(quantized), argnums=(0, 1, 2, 3))(x, w, x_scale, w_scale)
+  expected = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(x, w, x_scale, w_scale)
+  for g, e in zip(got, expected):
+    # The cotangent cos(y) sees the two forward values, equal to float32 rounding.
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+  assert np.any(got[0] == 0) and np.any(got[0] != 0)  # saturated entries pass no gradient
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: jq.matmul_integer(np.ones((2, 3), np.float32), np.ones((3, 2), np.int8)),
+     "a.dtype must be"),
+    (lambda: jq.matmul_integer(np.ones((2, 3), np.int8), np.ones((4, 2), np.int8)),
+     r"b.shape must be \(\.\.\., 3, N\)"),
+    (lambda: jq.matmul_integer(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8), 300),
+     "a_zero_point must be in"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8), _DIMS,
+                                      lhs_scale=np.ones((2, 3), np.float32)),
+     "lhs_scale.shape must be"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3), np.float32), np.ones((3, 2), np.int8),
+                                      _DIMS), "lhs_scale must be given"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8), (1, 0)),
+     "dimension_numbers must be"),
+    (lambda: jq.qlinear_matmul(np.ones((2, 3), np.int8), 1.0, None, np.ones((3, 2), np.int8),
+                               1.0, None, np.ones(2, np.float32)), "y_scale.shape must be"),
+])
+def test_errors(call, message):
+  with pytest.raises((TypeError, ValueError), match=message):
+    call()
