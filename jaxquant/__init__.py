@@ -24,6 +24,7 @@ from jaxquant._linear import quantize_linear as quantize_linear
 from jaxquant._matmul import matmul_integer as matmul_integer
 from jaxquant._matmul import qlinear_matmul as qlinear_matmul
 from jaxquant._matmul import quantized_dot_general as quantized_dot_general
+from jaxquant._onnx_export import export_onnx as export_onnx
 from jaxquant._packing import pack as pack
 from jaxquant._packing import pack_int4 as pack_int4
 from jaxquant._packing import unpack as unpack
@@ -54,6 +55,7 @@ __all__ = (
     "dot_general_fake_quant",
     "dot_general_static_int8",
     "dynamic_quantize_linear",
+    "export_onnx",
     "fake_quantize",
     "fake_quantize_dynamic",
     "fake_quantize_learnable",

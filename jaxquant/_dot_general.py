@@ -23,6 +23,7 @@ from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _fake
 from jaxquant import _linear
+from jaxquant import _params
 from jaxquant import _validate
 
 _INT8 = _dtypes.quantized_dtype("dot_general", "dtype", jnp.int8)
@@ -42,9 +43,33 @@ def _quantize_int8(function: str, x: ArrayLike, reduced: Sequence[int]):
   return _linear.quantize_linear(x, scale, axis=None, output_dtype=jnp.int8), scale
 
 
+def _rhs_int8(function: str, rhs: Any, reduced: Sequence[int]):
+  """rhs as symmetric int8 with a scale of its rank, 1 along the ``reduced`` dims.
+
+  A float rhs is quantized here, one scale per index of the other dims; a
+  :class:`QuantizedArray` (int8, no zero point, scale per tensor or along a
+  dim that is not reduced) is used as it is.
+  """
+  if not isinstance(rhs, _params.QuantizedArray):
+    return _quantize_int8(function, rhs, reduced)
+  _validate.check(
+      rhs.dtype == np.dtype(np.int8) and rhs.zero_point is None and not rhs.packed
+      and rhs.block_size == 0 and (rhs.scale.size == 1 or rhs.axis not in reduced),
+      function, "rhs", "a float array, or a QuantizedArray of int8 without zero point "
+      "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
+      error=TypeError,
+  )
+  shape = [1] * len(rhs.shape)
+  if rhs.scale.size > 1:
+    shape[rhs.axis] = rhs.shape[rhs.axis]
+  return rhs.values, rhs.scale.reshape(shape)
+
+
 def _result_dtype(lhs, rhs, preferred_element_type):
   if preferred_element_type is not None:
     return np.dtype(preferred_element_type)
+  if isinstance(rhs, _params.QuantizedArray):
+    rhs = jnp.zeros((), rhs.output_dtype)
   return np.dtype(jnp.result_type(lhs, rhs))
 
 
@@ -140,7 +165,9 @@ def dot_general_dynamic_int8(
 
   Args:
     lhs: float activations.
-    rhs: float weights (or a second float operand).
+    rhs: float weights (or a second float operand), or int8 weights stored
+      as a :class:`QuantizedArray` (no zero point, scale per tensor or per
+      output feature), used as they are.
     dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
     precision: ignored (integer arithmetic is exact).
     preferred_element_type: the float dtype of the result; default the
@@ -164,7 +191,7 @@ def dot_general_dynamic_int8(
   function = "dot_general_dynamic_int8"
   (lhs_contracting, rhs_contracting), _ = dimension_numbers
   lhs_values, lhs_scale = _quantize_int8(function, lhs, lhs_contracting)
-  rhs_values, rhs_scale = _quantize_int8(function, rhs, rhs_contracting)
+  rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
   return _integer_dot(
       lhs_values, rhs_values, lhs_scale, rhs_scale, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
@@ -198,7 +225,8 @@ def dot_general_static_int8(
 
   Args:
     lhs: float activations.
-    rhs: float weights.
+    rhs: float weights, or int8 weights as a :class:`QuantizedArray` (as in
+      :func:`dot_general_dynamic_int8`).
     dimension_numbers: as ``lax.dot_general``'s.
     precision: ignored (integer arithmetic is exact).
     preferred_element_type: the float dtype of the result.
@@ -224,7 +252,7 @@ def dot_general_static_int8(
   function = "dot_general_static_int8"
   (_, rhs_contracting), _ = dimension_numbers
   lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _quantize_int8(function, rhs, rhs_contracting)
+  rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
   lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
   return _integer_dot(
       lhs_values, rhs_values, _per_tensor_lhs(scale, lhs_values.ndim), rhs_scale,
@@ -285,8 +313,12 @@ def dot_general_fake_quant(
   )
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+  return x.shape if isinstance(x, _params.QuantizedArray) else jnp.shape(x)
+
+
 def _conv_numbers(lhs, rhs, dimension_numbers):
-  return lax.conv_dimension_numbers(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+  return lax.conv_dimension_numbers(jnp.shape(lhs), _shape(rhs), dimension_numbers)
 
 
 def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
@@ -312,8 +344,8 @@ def _integer_conv(function, lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_sca
 
 def _rhs_per_output_feature(function, rhs, numbers):
   out_feature = numbers.rhs_spec[0]
-  values, scale = _quantize_int8(
-      function, rhs, [d for d in range(jnp.ndim(rhs)) if d != out_feature])
+  values, scale = _rhs_int8(
+      function, rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
   return values, scale.reshape(-1)
 
 
