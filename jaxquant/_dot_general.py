@@ -23,6 +23,7 @@ from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _fake
 from jaxquant import _linear
+from jaxquant import _matmul
 from jaxquant import _params
 from jaxquant import _validate
 
@@ -73,32 +74,17 @@ def _result_dtype(lhs, rhs, preferred_element_type):
   return np.dtype(jnp.result_type(lhs, rhs))
 
 
-def _dot_scales(lhs_scale, rhs_scale, dimension_numbers):
-  """The product of the operands' scales, laid out as dot_general's output dims."""
-  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-  lhs_free = [d for d in range(lhs_scale.ndim) if d not in (*lhs_contracting, *lhs_batch)]
-  rhs_free = [d for d in range(rhs_scale.ndim) if d not in (*rhs_contracting, *rhs_batch)]
-  lhs_scale = jnp.transpose(lhs_scale, (*lhs_batch, *lhs_free, *lhs_contracting))
-  lhs_scale = lhs_scale.reshape(lhs_scale.shape[:len(lhs_batch) + len(lhs_free)]
-                                + (1,) * len(rhs_free))
-  rhs_scale = jnp.transpose(rhs_scale, (*rhs_batch, *rhs_free, *rhs_contracting))
-  rhs_scale = rhs_scale.reshape(rhs_scale.shape[:len(rhs_batch)] + (1,) * len(lhs_free)
-                                + rhs_scale.shape[len(rhs_batch):len(rhs_batch) + len(rhs_free)])
-  return lhs_scale * rhs_scale
-
-
-def _integer_dot(lhs_values, rhs_values, lhs_scale, rhs_scale, dimension_numbers,
-                 result_dtype, out_sharding):
-  accumulator = lax.dot_general(
-      lhs_values, rhs_values, dimension_numbers, preferred_element_type=jnp.int32,
-      out_sharding=out_sharding,
-  )
-  scale = _dot_scales(lhs_scale, rhs_scale, dimension_numbers)
-  return (accumulator.astype(jnp.float32) * scale).astype(result_dtype)
-
-
-def _per_tensor_lhs(lhs_scale, lhs_ndim):
-  return jnp.reshape(lhs_scale, (1,) * lhs_ndim)
+def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding, *,
+                 lhs_scale, rhs_scale, lhs_zero_point=None):
+  """:func:`quantized_dot_general` of the integer operands, in the result dtype."""
+  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  y = _matmul.quantized_dot_general(
+      lhs_values, rhs_values, dimension_numbers, lhs_scale=lhs_scale,
+      lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
+  ).astype(result_dtype)
+  if out_sharding is not None:
+    y = lax.with_sharding_constraint(y, out_sharding)
+  return y
 
 
 def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.Array:
@@ -157,8 +143,9 @@ def dot_general_dynamic_int8(
 
   with one symmetric scale per index of each operand's batch and free dims
   (per token for activations, per output feature for a kernel), taken over
-  the contracting dims; the sum is exact in int32. Symmetric so that no
-  zero-point correction is needed. For ``nnx.Linear(dot_general=...)``,
+  the contracting dims; the sum is exact in int32 and the scaling
+  :func:`quantized_dot_general`'s (``float32(acc) * (s_lhs * s_rhs)``).
+  Symmetric, so that no zero-point correction is needed. For ``nnx.Linear(dot_general=...)``,
   linen's ``Dense(dot_general=...)``, ``nnx.Einsum`` through
   :func:`replace_ops`, or direct calls. Not differentiable (the operands
   are rounded to integers); train with :func:`dot_general_fake_quant`.
@@ -172,7 +159,7 @@ def dot_general_dynamic_int8(
     precision: ignored (integer arithmetic is exact).
     preferred_element_type: the float dtype of the result; default the
       operands' promoted dtype.
-    out_sharding: passed to the integer ``lax.dot_general``.
+    out_sharding: the result's sharding (a sharding constraint), or ``None``.
 
   Returns:
     The float result, shaped as ``lax.dot_general``'s.
@@ -193,8 +180,9 @@ def dot_general_dynamic_int8(
   lhs_values, lhs_scale = _quantize_int8(function, lhs, lhs_contracting)
   rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
   return _integer_dot(
-      lhs_values, rhs_values, lhs_scale, rhs_scale, dimension_numbers,
+      lhs_values, rhs_values, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
+      lhs_scale=lhs_scale, rhs_scale=rhs_scale,
   )
 
 
@@ -218,9 +206,9 @@ def dot_general_static_int8(
 
   ``lhs`` is quantized with the given per-tensor scale and zero point (from
   :func:`calibrate` or :func:`observer_qparams`); ``rhs`` symmetric int8 per
-  output feature as in :func:`dot_general_dynamic_int8`. The zero point is
-  subtracted in int16 before the integer contraction (exact), the sum is
-  int32. Bind the parameters with ``functools.partial`` to get
+  output feature as in :func:`dot_general_dynamic_int8`. The product is
+  :func:`quantized_dot_general`'s: int32 accumulation with the zero point's
+  correction, exact, then ``float32(acc) * (s_in * s_rhs)``. Bind the parameters with ``functools.partial`` to get
   ``lax.dot_general``'s signature; :func:`calibrate` does.
 
   Args:
@@ -230,7 +218,7 @@ def dot_general_static_int8(
     dimension_numbers: as ``lax.dot_general``'s.
     precision: ignored (integer arithmetic is exact).
     preferred_element_type: the float dtype of the result.
-    out_sharding: passed to the integer ``lax.dot_general``.
+    out_sharding: the result's sharding (a sharding constraint), or ``None``.
     input_scale: the activations' float scale, one element.
     input_zero_point: int8 zero point, one element, or ``None`` (symmetric).
 
@@ -253,10 +241,11 @@ def dot_general_static_int8(
   (_, rhs_contracting), _ = dimension_numbers
   lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
   rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
-  lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
   return _integer_dot(
-      lhs_values, rhs_values, _per_tensor_lhs(scale, lhs_values.ndim), rhs_scale,
-      dimension_numbers, _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
+      lhs_values, rhs_values, dimension_numbers,
+      _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
+      lhs_scale=scale.reshape(()), rhs_scale=rhs_scale,
+      lhs_zero_point=None if zero_point is None else zero_point.reshape(()),
   )
 
 
