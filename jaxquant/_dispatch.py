@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
 
 IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -41,6 +42,8 @@ def with_xla_derivatives(
   implementation by construction. The JVP rule calls the op itself again for
   its primal output, so second derivatives come through the same rule.
 
+  Inside ``jax.shard_map`` the kernel runs on each shard (see :func:`per_shard`).
+
   Args:
     kernel: the Pallas evaluation of an op, a function of arrays (or ``None``).
     xla: the XLA evaluation of the same op, with the same signature.
@@ -51,7 +54,7 @@ def with_xla_derivatives(
 
   @jax.custom_jvp
   def evaluate(*args):
-    return kernel(*args)
+    return per_shard(kernel)(*args)
 
   @evaluate.defjvp
   def evaluate_jvp(primals, tangents):
@@ -59,3 +62,35 @@ def with_xla_derivatives(
     return evaluate(*primals), tangents_out
 
   return evaluate
+
+
+def per_shard(kernel: Callable[..., Any]) -> Callable[..., Any]:
+  """``kernel``, callable inside ``jax.shard_map`` with its default ``check_vma=True``.
+
+  Inside a ``shard_map`` every array is one shard and the kernel runs on it
+  as on a whole array. What JAX's check refuses there is a ``pallas_call``
+  whose outputs do not declare which mesh axes they vary over. The kernel is
+  called through a ``shard_map`` over no further axes with the check off for
+  its body alone, and its outputs are then declared varying over every axis
+  any input varies over (``lax.pcast``), which is true of a function of its
+  inputs; the enclosing ``shard_map`` checks everything else as before.
+  Outside ``shard_map`` (no manual mesh axes) ``kernel`` is returned as is.
+  """
+  if not jax.sharding.get_abstract_mesh().manual_axes:
+    return kernel
+  unchecked = jax.shard_map(
+      kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+      axis_names=frozenset(), check_vma=False,
+  )
+
+  def run(*args):
+    varying = frozenset().union(*(
+        jax.typeof(a).manual_axis_type.varying for a in jax.tree.leaves(args)))
+
+    def declare(y):
+      axes = tuple(sorted(varying - jax.typeof(y).manual_axis_type.varying))
+      return jax.lax.pcast(y, axes, to="varying") if axes else y
+
+    return jax.tree.map(declare, unchecked(*args))
+
+  return run

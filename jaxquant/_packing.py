@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 from jax import lax
@@ -95,9 +96,13 @@ def _group(bits: int) -> tuple[int, int, type]:
 
 def to_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
   """The uint8 codes of ``x``: its bit patterns, or, for ``info.as_codes``, x masked to them."""
+  mask = jnp.uint8((1 << info.bits) - 1)
   if info.as_codes or x.dtype == jnp.uint8:
-    return x & jnp.uint8((1 << info.bits) - 1)
-  return lax.bitcast_convert_type(x, _UNSIGNED[info.bits]).astype(jnp.uint8)
+    return x & mask
+  # The mask is a no-op by the types, but XLA:CPU, fusing this conversion with
+  # the computation of x, can leave the sign extension of a negative int2 in
+  # the upper bits (-2 became 254 under one jit).
+  return lax.bitcast_convert_type(x, _UNSIGNED[info.bits]).astype(jnp.uint8) & mask
 
 
 def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
@@ -137,8 +142,21 @@ def _unpack_codes(packed: jax.Array, size: int, bits: int) -> jax.Array:
   return x.reshape(-1)[:size].astype(jnp.uint8)
 
 
-@_bind.op(dtype=_bind.dtype)
-def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
+def along_rows(function: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+  """``function`` of a 1-D row applied to every row (last axis) of x.
+
+  Mapped over the leading dims rather than flattening them, so every dim of a
+  sharded x keeps its sharding.
+  """
+  for _ in range(x.ndim - 1):
+    function = jax.vmap(function)
+  return function(x)
+
+
+@_bind.op(dtype=_bind.dtype, layout=_bind.choice("flat", "rows"))
+def pack(
+    x: ArrayLike, *, dtype: DTypeLike | None = None, layout: Literal["flat", "rows"] = "flat"
+) -> jax.Array:
   r"""Packs a sub-byte array into bytes, as ONNX stores int2, int4, float4 and float6.
 
   .. math::
@@ -160,15 +178,25 @@ def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
   uint8 codes with ``dtype=`` (what :func:`quantize_linear` returns for float6).
   The uint8 codes of the other sub-byte dtypes, one per byte, pack the same way.
 
+  ``layout="rows"`` packs each row (the last axis) as its own stream, padded
+  to whole bytes, and keeps x's other dims: ``x.shape[:-1] +
+  (ceil(x.shape[-1] * b / 8),)``. Where rows fill whole bytes (an even last
+  dim for 4 bits) its bytes are the flat layout's, reshaped. Rows keep a
+  sharded x's sharding along every axis (docs/sharding.md); the flat layout
+  runs across rows, so it cannot be split by column. :func:`unpack` and
+  :func:`dequantize_linear` read either layout, told apart by its shape.
+
   Args:
     x: an int2, uint2, int4, uint4 or float4_e2m1fn array, or a NumPy
       float6_e2m3fn or float6_e3m2fn array, of any shape; or, with ``dtype``,
       uint8 codes of ``dtype`` (bits above its width are ignored).
     dtype: the sub-byte dtype of uint8 codes in ``x`` (static); ``None``
       takes x's dtype.
+    layout: ``"flat"`` (ONNX's ``raw_data``) or ``"rows"`` (static).
 
   Returns:
-    A 1-D uint8 array of ``ceil(x.size * b / 8)`` bytes.
+    A 1-D uint8 array of ``ceil(x.size * b / 8)`` bytes; with ``layout="rows"``
+    and x of rank 2 or more, ``x.shape[:-1] + (ceil(x.shape[-1] * b / 8),)``.
 
   Raises:
     TypeError: if ``x`` is not of a sub-byte dtype (and ``dtype`` is not
@@ -188,6 +216,9 @@ def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
     Array([200,  79,   0], dtype=uint8)
     >>> jq.pack(jnp.array([8, 63, 4], jnp.uint8), dtype=jnp.float6_e2m3fn)
     Array([200,  79,   0], dtype=uint8)
+    >>> jq.pack(jnp.array([[1, -1, 7], [2, 3, 4]], jnp.int4), layout="rows")
+    Array([[241,   7],
+           [ 50,   4]], dtype=uint8)
   """
   function = "pack"
   x, host_dtype = _dtypes.host_codes(x)
@@ -197,11 +228,11 @@ def pack(x: ArrayLike, *, dtype: DTypeLike | None = None) -> jax.Array:
         f"None or x's dtype {host_dtype.name}", _dtypes._name(dtype), error=TypeError,
     )
     dtype = host_dtype
-  return _pack(x, dtype=dtype, function=function)
+  return _pack(x, dtype=dtype, function=function, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "function", "bits"))
-def _pack(x, *, dtype, function, bits=None):
+@functools.partial(jax.jit, static_argnames=("dtype", "function", "bits", "layout"))
+def _pack(x, *, dtype, function, bits=None, layout="flat"):
   x = jnp.asarray(x)
   if dtype is None:
     info = sub_byte_dtype(
@@ -215,7 +246,10 @@ def _pack(x, *, dtype, function, bits=None):
         x.dtype.name in accepted, function, "x.dtype",
         f"{' or '.join(accepted)} for dtype={info.name}", x.dtype.name, error=TypeError,
     )
-  return _pack_codes(to_codes(x, info), info.bits)
+  codes = to_codes(x, info)
+  if layout == "rows" and codes.ndim > 1:
+    return along_rows(functools.partial(_pack_codes, bits=info.bits), codes)
+  return _pack_codes(codes, info.bits)
 
 
 @_bind.op(shape=_bind.shape, dtype=_bind.dtype)
@@ -234,7 +268,8 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
   :func:`dequantize_linear` takes them with ``packed_dtype=``).
 
   Args:
-    packed: a 1-D uint8 array of ``ceil(prod(shape) * b / 8)`` bytes.
+    packed: a 1-D uint8 array of ``ceil(prod(shape) * b / 8)`` bytes, or
+      ``pack(..., layout="rows")``'s ``shape[:-1] + (ceil(shape[-1] * b / 8),)``.
     shape: the shape of the unpacked array (static).
     dtype: int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn or
       float6_e3m2fn (static).
@@ -245,7 +280,7 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
   Raises:
     TypeError: if ``packed`` is not uint8, ``dtype`` is not a sub-byte dtype or
       ``shape`` is not a sequence of non-negative ints.
-    ValueError: if ``packed`` does not hold ``ceil(prod(shape) * b / 8)`` bytes.
+    ValueError: if ``packed`` is shaped as neither layout of ``shape``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -335,7 +370,8 @@ def packed_bytes(
 
   Raises:
     TypeError: if ``packed`` is not uint8.
-    ValueError: if ``packed`` is not 1-D with ``ceil(prod(shape) * bits / 8)`` bytes.
+    ValueError: if ``packed`` is neither 1-D with ``ceil(prod(shape) * bits / 8)``
+      bytes (flat) nor ``shape[:-1] + (ceil(shape[-1] * bits / 8),)`` (rows).
   """
   packed = jnp.asarray(packed)
   _validate.check(
@@ -344,9 +380,10 @@ def packed_bytes(
   )
   bits = _dtypes.quantized_dtype(function, "dtype", dtype).bits
   size = packed_size(math.prod(shape), bits)
+  rows = shape[:-1] + (packed_size(shape[-1], bits),) if len(shape) > 1 else (size,)
   _validate.check(
-      packed.shape == (size,), function, "packed.shape",
-      f"({size},) to unpack into shape {shape}", packed.shape,
+      packed.shape in ((size,), rows), function, "packed.shape",
+      f"({size},) (flat) or {rows} (rows) to unpack into shape {shape}", packed.shape,
   )
   return packed
 
@@ -358,6 +395,9 @@ def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax
     An array of ``dtype``, or of uint8 codes for a dtype XLA lacks (float6).
   """
   info = _dtypes.quantized_dtype("unpacked", "dtype", dtype)
+  if packed.ndim > 1:
+    return from_codes(along_rows(
+        functools.partial(_unpack_codes, size=shape[-1], bits=info.bits), packed), info)
   return from_codes(_unpack_codes(packed, math.prod(shape), info.bits), info).reshape(shape)
 
 
