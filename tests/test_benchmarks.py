@@ -5,6 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each script starts a fresh interpreter and compiles its ops
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs():
   result = subprocess.run(
       [sys.executable, "-m", "jaxquant", "--size", "256", "--repeats", "1"],

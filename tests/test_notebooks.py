@@ -37,6 +37,7 @@ def test_committed_notebook_was_executed_top_to_bottom(path):
     assert images, f"{path.name} has no saved plot"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_runs_clean(path, monkeypatch):
   # The kernel inherits the environment: make this checkout importable even

@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qat_digits.py"
 
@@ -29,6 +30,7 @@ def _load_example():
   return module
 
 
+@pytest.mark.slow
 def test_qat_example_meets_its_targets():
   example = _load_example()
   # run() asserts on the way that real quantized inference (integer weights,
