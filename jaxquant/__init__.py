@@ -22,6 +22,7 @@ from jaxquant._fake import lsq_grad_factor as lsq_grad_factor
 from jaxquant._linear import dequantize_linear as dequantize_linear
 from jaxquant._linear import quantize_linear as quantize_linear
 from jaxquant._matmul import matmul_integer as matmul_integer
+from jaxquant._matmul import matmul_nbits as matmul_nbits
 from jaxquant._matmul import qlinear_matmul as qlinear_matmul
 from jaxquant._matmul import quantized_dot_general as quantized_dot_general
 from jaxquant._onnx_export import export_onnx as export_onnx
@@ -62,6 +63,7 @@ __all__ = (
     "init_observer",
     "lsq_grad_factor",
     "matmul_integer",
+    "matmul_nbits",
     "observe",
     "observer_qparams",
     "pack",

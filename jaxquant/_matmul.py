@@ -619,3 +619,161 @@ def qlinear_matmul(
   y = _dtypes.round_and_saturate(
       value, None if y_zero_point is None else y_zero_point.reshape(()), out_info)
   return y.reshape(shape)
+
+
+_NBITS_DTYPES = {2: np.dtype(jnp.uint2), 4: np.dtype(jnp.uint4), 8: _UINT8}
+
+
+def _nbits_bits(function: str, argument: str, value: Any) -> int:
+  value = _bind.integer(function, argument, value)
+  _validate.check(value in _NBITS_DTYPES, function, argument, "2, 4 or 8", value)
+  return value
+
+
+def _nbits_block_size(function: str, argument: str, value: Any) -> int:
+  value = _bind.integer(function, argument, value)
+  _validate.check(
+      value >= 16 and value & (value - 1) == 0, function, argument,
+      "a power of two >= 16 (MatMulNBits)", value,
+  )
+  return value
+
+
+def _positive(function: str, argument: str, value: Any) -> int:
+  value = _bind.integer(function, argument, value)
+  _validate.check(value > 0, function, argument, "a positive int", value)
+  return value
+
+
+def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
+  """MatMulNBits' weight as an ``(N, K)`` float32 matrix, dequantized by ``dequantize_linear``."""
+  function = "matmul_nbits"
+  blocks = -(-K // block_size)
+  blob_size = block_size * bits // 8
+  b = jnp.asarray(b)
+  _validate.check(b.dtype == _UINT8, function, "b.dtype", "uint8 (packed)", b.dtype.name,
+                  error=TypeError)
+  _validate.check(
+      b.size == N * blocks * blob_size, function, "b.shape",
+      f"(N, k_blocks, blob_size) = ({N}, {blocks}, {blob_size})", b.shape,
+  )
+  scales = _dtypes.scale_array(function, "scales", scales)
+  _validate.check(
+      scales.size == N * blocks, function, "scales.shape", f"(N, k_blocks) = ({N}, {blocks})",
+      scales.shape,
+  )
+  scales = scales.reshape(N, blocks)
+  dtype = _NBITS_DTYPES[bits]
+  padded = (N, blocks * block_size)
+  # Each row's blocks are whole bytes, so B is ONNX's one bit stream over (N, K padded).
+  codes = b.reshape(N, -1) if bits == 8 else _packing.unpacked(b.reshape(-1), padded, dtype)
+  codes = codes[:, :K]
+  if zero_points is None:
+    zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8).astype(dtype)
+  else:
+    zero_points = jnp.asarray(zero_points)
+    if jnp.issubdtype(zero_points.dtype, jnp.floating):
+      _validate.check(
+          zero_points.size == N * blocks, function, "zero_points.shape",
+          f"(N, k_blocks) = ({N}, {blocks}) for float zero points", zero_points.shape,
+      )
+      # Float zero points: (q - zp) * scale in float32, each operation rounded once.
+      steps = jnp.repeat(jnp.arange(blocks), block_size)[:K]
+      zero = zero_points.reshape(N, blocks).astype(jnp.float32)[:, steps]
+      return (codes.astype(jnp.float32) - zero) * scales.astype(jnp.float32)[:, steps]
+    _validate.check(
+        zero_points.dtype == _UINT8, function, "zero_points.dtype",
+        "uint8 (packed) or the scales' float dtype", zero_points.dtype.name, error=TypeError,
+    )
+    row_bytes = -(-blocks * bits // 8)
+    _validate.check(
+        zero_points.size == N * row_bytes, function, "zero_points.shape",
+        f"(N, ceil(k_blocks * bits / 8)) = ({N}, {row_bytes})", zero_points.shape,
+    )
+    zero_points = zero_points.reshape(N, row_bytes)
+    if bits < 8:
+      zero_points = _packing.unpacked(
+          zero_points.reshape(-1), (N, row_bytes * 8 // bits), dtype)[:, :blocks]
+  return _linear.dequantize_linear(
+      codes.astype(dtype), scales, zero_points, axis=1, block_size=block_size,
+      output_dtype=jnp.float32,
+  )
+
+
+@_bind.op(
+    jit=True, K=_positive, N=_positive, bits=_nbits_bits, block_size=_nbits_block_size,
+    implementation=_bind.IMPLEMENTATION,
+)
+def matmul_nbits(
+    a: ArrayLike,
+    b: ArrayLike,
+    scales: ArrayLike,
+    zero_points: ArrayLike | None = None,
+    bias: ArrayLike | None = None,
+    *,
+    K: int,  # pylint: disable=invalid-name
+    N: int,  # pylint: disable=invalid-name
+    bits: int = 4,
+    block_size: int,
+    implementation: str | None = None,
+) -> jax.Array:
+  r"""onnxruntime's com.microsoft MatMulNBits: ``a @ dequantize(b).T``, weight-only.
+
+  .. math::
+
+    W_{nk} = (q_{nk} - z_{n,\lfloor k/\mathrm{bs} \rfloor}) \, s_{n,\lfloor k/\mathrm{bs} \rfloor},
+    \qquad y = a W^\top + \mathrm{bias}
+
+  ``W`` is :func:`dequantize_linear` of the unsigned ``bits``-bit codes,
+  blocked along K (a short last block allowed), in float32; the product is
+  a float32 matmul at full precision (``Precision.HIGHEST``), the result
+  rounded once to a's dtype. onnxruntime sums in another order, so the
+  two agree to float32 summation error, not bit for bit. Gradients flow
+  to ``a``, ``scales`` and ``bias`` (the codes are integers).
+
+  Args:
+    a: float32 (or float16, bfloat16) activations ``(..., K)``.
+    b: packed uint8 codes ``(N, k_blocks, blob_size)`` (any shape of that
+      size), ``k_blocks = ceil(K / block_size)``, ``blob_size = block_size *
+      bits / 8``, each block's codes LSB first, as onnxruntime writes them.
+    scales: ``(N, k_blocks)`` (or flat) float scales.
+    zero_points: ``None`` for onnxruntime's default ``2**(bits - 1)``;
+      packed uint8 ``(N, ceil(k_blocks * bits / 8))``, codes LSB first; or
+      float ``(N, k_blocks)``.
+    bias: ``(N,)`` or ``None``.
+    K: the weight's input features (static).
+    N: the weight's output features (static).
+    bits: 2, 4 (the default) or 8.
+    block_size: a power of two >= 16.
+    implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``
+      (a fused kernel that dequantizes packed codes next to the dot; needs
+      K a multiple of block_size, else XLA runs). Same bits.
+
+  Returns:
+    ``(..., N)`` in a's dtype.
+
+  Raises:
+    TypeError: for unsupported dtypes.
+    ValueError: if a shape or attribute does not fit MatMulNBits.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> codes = jnp.arange(32, dtype=jnp.uint8) % 16    # one row, K = 32
+    >>> b = jq.pack(codes.astype(jnp.uint4))            # 16 bytes, low nibble first
+    >>> jq.matmul_nbits(jnp.ones((1, 32)), b, jnp.array([[0.5, 2.0]]), K=32, N=1,
+    ...                 block_size=16)
+    Array([[-20.]], dtype=float32)
+  """
+  function = "matmul_nbits"
+  a = jnp.asarray(a)
+  _dtypes.float_input(function, "a", a)
+  _validate.check(a.ndim >= 1 and a.shape[-1] == K, function, "a.shape", f"(..., K = {K})",
+                  a.shape)
+  weight = nbits_weight(b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
+  y = jnp.matmul(a.astype(jnp.float32), weight.T, precision=lax.Precision.HIGHEST)
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _validate.check(bias.shape == (N,), function, "bias.shape", f"({N},)", bias.shape)
+    y = y + bias.astype(jnp.float32)
+  return y.astype(a.dtype)

@@ -238,3 +238,92 @@ def test_fake_quantized_operands_straight_through():
 def test_errors(call, message):
   with pytest.raises((TypeError, ValueError), match=message):
     call()
+
+
+def _nbits_case(rng, bits, k, n, block_size, zero_points):
+  blocks = -(-k // block_size)
+  b = rng.integers(0, 256, (n, blocks, block_size * bits // 8)).astype(np.uint8)
+  scales = rng.uniform(0.01, 0.1, (n, blocks)).astype(np.float32)
+  if zero_points == "packed":
+    zero_points = rng.integers(0, 256, (n, -(-blocks * bits // 8))).astype(np.uint8)
+  elif zero_points == "float":
+    zero_points = rng.uniform(0, 2**bits - 1, (n, blocks)).astype(np.float32)
+  return b, scales, zero_points
+
+
+@pytest.mark.parametrize("bits, k, n, block_size, zero_points", [
+    (4, 64, 8, 16, None), (4, 100, 5, 32, "packed"), (4, 48, 3, 16, "float"),
+    (2, 100, 6, 32, "packed"), (2, 64, 4, 16, None), (8, 80, 5, 16, "packed"),
+])
+def test_matmul_nbits_matches_onnxruntime(bits, k, n, block_size, zero_points):
+  """Graphs built with onnx.helper: onnxruntime's packed layout, default and packed zero points."""
+  rng = np.random.default_rng(bits * 1000 + k)
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, zero_points)
+  a = rng.standard_normal((2, 3, k)).astype(np.float32)
+  bias = rng.standard_normal(n).astype(np.float32)
+  inputs = {"A": a, "B": b, "scales": scales, "zero_points": zero_points, "g_idx": None,
+            "bias": bias}
+  expected = run_onnxruntime("MatMulNBits", inputs, np.float32, domain="com.microsoft",
+                             K=k, N=n, bits=bits, block_size=block_size)
+  got = jq.matmul_nbits(a, b, scales, zero_points, bias, K=k, N=n, bits=bits,
+                        block_size=block_size)
+  # Summation order differs: float32 rounding of K products, relative to their magnitudes.
+  bound = 4 * k * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(
+      np.asarray(jq._matmul.nbits_weight(b, scales, zero_points, K=k, N=n, bits=bits,
+                                         block_size=block_size))).T + np.abs(bias))
+  assert np.all(np.abs(got - expected) <= bound)
+
+
+def test_matmul_nbits_equals_dequantize_then_matmul():
+  """Bit for bit ``x @ dequantize_linear(unpack(b)).T`` under jit, traced or closed over."""
+  rng = np.random.default_rng(7)
+  k, n, block_size = 96, 16, 32
+  b, scales, zero_points = _nbits_case(rng, 4, k, n, block_size, "packed")
+  a = rng.standard_normal((5, k)).astype(np.float32)
+  codes = jq.unpack(b.reshape(-1), (n, k), jnp.uint4)
+  zero_codes = jq.unpack(zero_points.reshape(-1), (n, 4), jnp.uint4)[:, :3]
+  weight = jq.dequantize_linear(codes, scales, zero_codes, axis=1, block_size=block_size)
+  expected = jnp.matmul(a, weight.T, precision=jax.lax.Precision.HIGHEST)
+  call = lambda a, b: jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, block_size=block_size)
+  np.testing.assert_array_equal(call(a, b), expected)
+  np.testing.assert_array_equal(jax.jit(call)(a, b), expected)
+  np.testing.assert_array_equal(jax.jit(lambda a: call(a, b))(a), expected)
+  grad = jax.grad(lambda a: jnp.sum(call(a, b) ** 2))(a)
+  np.testing.assert_allclose(grad, 2 * expected @ weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matmul_nbits_from_onnxruntime_quantizer(symmetric):
+  """A MatMul model quantized by onnxruntime.quantization's MatMulNBitsQuantizer."""
+  import onnx
+  from onnx import helper, numpy_helper
+  import onnxruntime
+  from onnxruntime.quantization import matmul_nbits_quantizer
+
+  rng = np.random.default_rng(8)
+  k, n = 96, 24
+  weight = rng.standard_normal((k, n)).astype(np.float32)
+  graph = helper.make_graph(
+      [helper.make_node("MatMul", ["x", "w"], ["y"])], "linear",
+      [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, k])],
+      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, n])],
+      [numpy_helper.from_array(weight, "w")],
+  )
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+  quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(
+      model, bits=4, block_size=32, is_symmetric=symmetric)
+  quantizer.process()
+  quantized = quantizer.model.model
+  (node,) = [node for node in quantized.graph.node if node.op_type == "MatMulNBits"]
+  attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+  initializers = {t.name: numpy_helper.to_array(t) for t in quantized.graph.initializer}
+  arguments = [initializers.get(name) for name in node.input[1:4]] + [None] * (4 - len(node.input))
+  x = rng.standard_normal((7, k)).astype(np.float32)
+  session = onnxruntime.InferenceSession(quantized.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+  (expected,) = session.run(None, {"x": x})
+  got = jq.matmul_nbits(x, *arguments[:3], K=attributes["K"], N=attributes["N"],
+                        bits=attributes["bits"], block_size=attributes["block_size"])
+  np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+  exact = x @ weight  # and it is the layer, to int4 rounding
+  assert np.linalg.norm(got - exact) < 0.2 * np.linalg.norm(exact)
