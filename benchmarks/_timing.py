@@ -1,4 +1,4 @@
-"""Best-of-N wall time, shared by the benchmark scripts."""
+"""Wall-time measurement shared by the benchmark scripts."""
 
 import time
 
@@ -14,3 +14,36 @@ def best_ms(function, repeats):
     jax.block_until_ready(function())
     best = min(best, time.perf_counter() - start)
   return best * 1e3
+
+
+def interleaved_median_ms(functions, *, repeats, budget_s=None):
+  """Median milliseconds of each of ``functions`` (a dict), timed in turn, round after round.
+
+  Interleaving puts every peer under the same machine load, so ratios within
+  a run stay meaningful on a shared machine. Each function is called once to
+  warm up (compile, allocate); with ``budget_s``, fewer rounds (at least 3)
+  are run when ``repeats`` rounds would take longer.
+
+  Returns:
+    ``({name: median ms}, rounds)``.
+  """
+  warm = {}
+  for name, function in functions.items():
+    start = time.perf_counter()
+    jax.block_until_ready(function())
+    warm[name] = time.perf_counter() - start
+  if budget_s is not None:
+    repeats = max(3, min(repeats, int(budget_s / max(sum(warm.values()), 1e-9))))
+  times = {name: [] for name in functions}
+  for _ in range(repeats):
+    for name, function in functions.items():
+      start = time.perf_counter()
+      jax.block_until_ready(function())
+      times[name].append(time.perf_counter() - start)
+  medians = {}
+  for name, values in times.items():
+    values.sort()
+    middle = len(values) // 2
+    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    medians[name] = median * 1e3
+  return medians, repeats

@@ -324,9 +324,32 @@ def quotient_formula(x, scale, *, precision):
   return _dtypes.round_to(true_divide(x, scale), precision)
 
 
-def quantize_formula(x, scale, zero_point, *, info, precision, saturate):
+def quantize_formula(x, scale, zero_point, *, info, precision, saturate, codes=False):
   quotient = quotient_formula(x, scale, precision=precision)
-  return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate)
+  return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate, codes=codes)
+
+
+def _packed_quantize(formula, x, params, granularity, bits):
+  """``pack(formula(x, *params))`` from uint8 codes, never holding a sub-byte array.
+
+  When whole bytes lie within the last dim, the elements sharing a byte are
+  the last dim's interleaved lanes ``x[..., k::per_byte]``: each lane is
+  quantized on its own strided slice of x and the lanes are or-ed into
+  bytes in one fusion. Otherwise (bytes straddling rows, 6-bit codes
+  straddling bytes) the codes are computed and then packed.
+  """
+  params = _granularity.expand_params(params, granularity, x.shape)
+  per_byte = 8 // bits if 8 % bits == 0 else 0
+  if not (per_byte and x.ndim and x.shape[-1] % per_byte == 0):
+    return _packing.pack_codes(formula(x, *params), bits)
+
+  def lane(p, k):
+    return p if p is None or p.shape[-1] == 1 else p[..., k::per_byte]
+
+  packed = formula(x[..., 0::per_byte], *(lane(p, 0) for p in params))
+  for k in range(1, per_byte):
+    packed = packed | (formula(x[..., k::per_byte], *(lane(p, k) for p in params)) << (bits * k))
+  return packed.reshape(-1)
 
 
 def quantized_output_dtype(
@@ -373,7 +396,7 @@ def _check_quantize(function: str, arguments: dict) -> None:
 @_bind.op(
     axis=_bind.optional_integer, block_size=_bind.integer, output_dtype=_bind.dtype,
     saturate=_bind.boolean, precision=_bind.dtype, implementation=_bind.IMPLEMENTATION,
-    check=_check_quantize,
+    packed=_bind.boolean, check=_check_quantize,
 )
 def quantize_linear(
     x: ArrayLike,
@@ -386,6 +409,7 @@ def quantize_linear(
     saturate: bool = True,
     precision: DTypeLike | None = None,
     implementation: str | None = None,
+    packed: bool = False,
 ) -> jax.Array:
   r"""Quantizes ``x``: ONNX QuantizeLinear.
 
@@ -411,6 +435,13 @@ def quantize_linear(
   reads them); :func:`dequantize_linear` takes them with ``packed_dtype=``,
   :func:`pack` packs them with ``dtype=``.
 
+  With ``packed=True`` a sub-byte output comes back as the bytes ONNX stores
+  (``raw_data``), equal bit for bit to ``pack(quantize_linear(...))`` but
+  computed with integer arithmetic on the codes, without an array of the
+  sub-byte dtype ever existing (XLA:CPU converts to int4 an order of
+  magnitude slower than to int8). :func:`dequantize_linear` reads them back
+  with ``packed_shape=x.shape`` and ``packed_dtype=``.
+
   The output is integer or low-precision float and carries no gradient; train
   through ``fake_quantize`` instead.
 
@@ -429,20 +460,26 @@ def quantize_linear(
     precision: float32, float16 or bfloat16: the dtype of the division (ONNX
       opset 23); default the scale's dtype.
     implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``; same bits.
+    packed: sub-byte outputs only: return the packed bytes (static).
 
   Returns:
     An array shaped like ``x`` of the zero point's dtype, else ``output_dtype``,
-    else uint8; for float6, uint8 codes of it.
+    else uint8; for float6, uint8 codes of it. With ``packed``, a 1-D uint8
+    array of ``ceil(x.size * bits / 8)`` bytes.
 
   Raises:
     TypeError: for an unsupported dtype of ``x``, ``scale``, ``zero_point``,
       ``output_dtype`` or ``precision``.
     ValueError: if ``output_dtype`` conflicts with the zero point's dtype, the
-      shapes fit no granularity, or ``axis``/``block_size`` are out of range.
+      shapes fit no granularity, ``axis``/``block_size`` are out of range, or
+      ``packed`` is asked of a dtype of 8 bits or more.
 
   Example:
     >>> import jax.numpy as jnp
     >>> import jaxquant as jq
+    >>> jq.quantize_linear(jnp.array([1.0, -1.0, 7.0]), 1.0, output_dtype=jnp.int4,
+    ...                    packed=True)  # codes 1, 15, 7: 0xF1, 0x07
+    Array([241,   7], dtype=uint8)
     >>> jq.quantize_linear(jnp.array([-2.5, 0.5, 1.5, 1e9]), 1.0, jnp.int8(0))
     Array([ -2,   0,   2, 127], dtype=int8)
     >>> codes = jq.quantize_linear(jnp.array([0.3, -1.1, 1e9]), 0.5,
@@ -454,7 +491,7 @@ def quantize_linear(
   return _quantize_linear(
       x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
       saturate=saturate, precision=precision, implementation=implementation,
-      zero_point_dtype=zero_point_dtype,
+      zero_point_dtype=zero_point_dtype, packed=packed,
   )
 
 
@@ -462,12 +499,12 @@ def quantize_linear(
     jax.jit,
     static_argnames=(
         "axis", "block_size", "output_dtype", "saturate", "precision", "implementation",
-        "zero_point_dtype",
+        "zero_point_dtype", "packed",
     ),
 )
 def _quantize_linear(
     x, scale, zero_point, *, axis, block_size, output_dtype, saturate, precision,
-    implementation, zero_point_dtype,
+    implementation, zero_point_dtype, packed=False,
 ):
   function = "quantize_linear"
   x = jnp.asarray(x)
@@ -476,6 +513,10 @@ def _quantize_linear(
   scale = _dtypes.scale_array(function, "scale", scale)
   info = quantized_output_dtype(
       function, zero_point, output_dtype, zero_point_dtype=zero_point_dtype
+  )
+  _validate.check(
+      not packed or info.bits < 8, function, "packed",
+      f"False for {info.name} (only sub-byte dtypes pack)", packed,
   )
   zero_point = zero_point_array(
       function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
@@ -491,6 +532,11 @@ def _quantize_linear(
   )
 
   def xla(x, scale, zero_point):
+    if packed:
+      return _packed_quantize(
+          functools.partial(formula, codes=True), x, [scale, zero_point], granularity,
+          info.bits,
+      )
     return _granularity.apply_blockwise(
         formula, x, [scale, zero_point], granularity
     )
@@ -500,8 +546,9 @@ def _quantize_linear(
 
   def kernel(x, scale, zero_point):
     view = _granularity.kernel_view(x, [scale, zero_point], granularity)
-    return view.restore(pallas_kernels.quantize(
+    y = view.restore(pallas_kernels.quantize(
         view.x, *view.params, formula=formula, output_dtype=info.array_dtype
     ))
+    return _packing.pack_codes(_packing.to_codes(y, info), info.bits) if packed else y
 
   return _dispatch.with_xla_derivatives(kernel, xla)(x, scale, zero_point)

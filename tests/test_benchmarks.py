@@ -1,5 +1,6 @@
-"""The benchmark scripts still run (tiny sizes; their times mean nothing here)."""
+"""The benchmark scripts and the suite still run (tiny sizes; their times mean nothing here)."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -26,6 +27,29 @@ def test_kernel_benchmark_runs_and_checks_bits():
   # The script asserts that every kernel equals XLA bit for bit before timing.
   rows, output = _table_rows("kernels.py", "--elements", "16384", prefix="| ")
   assert len(rows) == 1 + 5, output
+
+
+def test_suite_writes_json_and_markdown(tmp_path):
+  results = tmp_path / "results.json"
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks", "--sizes", "8192", "--repeats", "1",
+       "--ops", "dequantize", "quantize", "dynamic", "add", "fake",
+       "--layouts", "per-tensor", "per-row", "--json", str(results), "--markdown"],
+      cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
+      env={**os.environ, "PYTHONPATH": str(ROOT)},
+  )
+  rows = json.loads(results.read_text())["rows"]
+  # Per tensor: dequantize int8 (2 outputs), uint8, int4 (2 outputs); quantize int8
+  # and int4; dynamic per tensor and per row; add; fake.
+  assert len(rows) == 5 + 2 + 2 + 1 + 1, result.stdout
+  for row in rows:
+    assert {"jaxquant", "jnp", "copy"} <= set(row["median_ms"]), row
+    assert row["of_copy"] > 0 and row["gb_per_s"]["jaxquant"] > 0
+  with_onnxruntime = {(row["op"], row["types"]) for row in rows if row["vs_onnxruntime"]}
+  assert {("dequantize", "int8 -> float32"), ("quantize", "float32 -> int8"),
+          ("dynamic", "float32 -> uint8"), ("add", "int8 + int8 -> int8")} <= with_onnxruntime
+  table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+  assert len(table) == 1 + len(rows), result.stdout
 
 
 def test_fake_quant_benchmark_runs():

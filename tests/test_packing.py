@@ -366,3 +366,65 @@ def test_empty_packed_shapes_keep_their_shape(shape, scale, options, implementat
   y = jq.dequantize_linear(jnp.zeros(0, jnp.uint8), scale, packed_shape=shape,
                            packed_dtype=jnp.int4, implementation=implementation, **options)
   assert y.shape == shape and y.dtype == jnp.float32
+
+
+_PACKED_QUANTIZE_LAYOUTS = [
+    # (x shape, scale shape, options): bytes within rows (the lane path), bytes
+    # straddling rows or blocks, rank 0 and empty (the codes-then-pack path).
+    ((6, 8), (6, 4), dict(axis=1, block_size=2)),
+    ((4, 12), (12,), dict(axis=1)),
+    ((2, 3, 8), (2, 3, 2), dict(axis=2, block_size=4)),
+    ((8, 6), (3, 6), dict(axis=0, block_size=3)),
+    ((5, 7), (), {}),
+    ((3,), (), {}),
+    ((), (), {}),
+    ((0, 4), (), {}),
+]
+
+
+@pytest.mark.parametrize("dtype", SUB_BYTE + [jnp.float6_e2m3fn], ids=_name)
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_packed_quantize_is_pack_of_quantize(dtype, implementation):
+  rng = np.random.default_rng(0)
+  codes_dtype = dict(dtype=dtype) if dtype == jnp.float6_e2m3fn else {}
+  for shape, scale_shape, options in _PACKED_QUANTIZE_LAYOUTS:
+    x = (4 * rng.standard_normal(shape)).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[::7], flat[1::11], flat[2::13] = np.nan, 0.5, -np.inf  # NaN, a tie, saturation
+    scale = rng.uniform(0.3, 2.0, scale_shape).astype(np.float32)
+
+    def quantize(x, scale, packed, options=options):
+      return jq.quantize_linear(x, scale, output_dtype=dtype, packed=packed,
+                                implementation=implementation, **options)
+
+    expected = jq.pack(quantize(x, scale, False), **codes_dtype)
+    for packed in (quantize(x, scale, True), jax.jit(quantize, static_argnums=2)(x, scale, True)):
+      assert packed.dtype == jnp.uint8 and packed.shape == expected.shape
+      np.testing.assert_array_equal(packed, expected, err_msg=f"{shape} {options}")
+    np.testing.assert_array_equal(
+        jq.dequantize_linear(expected, scale, packed_shape=shape, packed_dtype=dtype,
+                             **options),
+        jq.dequantize_linear(quantize(x, scale, False), scale, **options,
+                             **{"packed_" + k: v for k, v in codes_dtype.items()}))
+
+
+@pytest.mark.parametrize("dtype, zero_point", [(jnp.int4, 3), (jnp.uint4, 9), (jnp.int2, -1)],
+                         ids=["int4", "uint4", "int2"])
+def test_packed_quantize_with_zero_point(dtype, zero_point):
+  x = (5 * np.random.default_rng(1).standard_normal((4, 8))).astype(np.float32)
+  zero_point = jnp.asarray(zero_point, dtype)
+  np.testing.assert_array_equal(
+      jq.quantize_linear(x, 0.7, zero_point, packed=True),
+      jq.pack(jq.quantize_linear(x, 0.7, zero_point)))
+
+
+def test_pack_under_one_jit_with_negative_int2():
+  # XLA:CPU once left -2's sign extension in the byte when quantize and pack fused.
+  x = np.array([np.nan, 0.5, 1.2, -0.3, 0.9, 1.7, -1.1, 0.2], np.float32)
+  fused = jax.jit(lambda x: jq.pack(jq.quantize_linear(x, 1.0, output_dtype=jnp.int2)))(x)
+  np.testing.assert_array_equal(fused, [0b00_01_00_10, 0b00_11_01_01])
+
+
+def test_packed_quantize_refuses_whole_byte_dtypes():
+  with pytest.raises(ValueError, match="packed must be False for int8"):
+    jq.quantize_linear(np.zeros(4, np.float32), 1.0, jnp.int8(0), packed=True)

@@ -1,0 +1,483 @@
+"""The benchmark suite: jaxquant against onnxruntime, NumPy, jnp and a memory copy, in one run.
+
+    python -m benchmarks [--ops dequantize quantize dynamic add fake] [--sizes 65536 1048576 ...]
+                         [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
+
+Every case runs its peers interleaved (one call each, round after round) on the
+same data in one process, and reports medians:
+
+  * ``jaxquant``: the public op with ``implementation=None`` (the default path:
+    XLA everywhere until a Pallas kernel is measured faster on the backend);
+    ``jaxquant-pallas`` too with ``--pallas`` (on CPU, Pallas interpret mode is
+    for correctness only and is very slow);
+  * ``onnxruntime``: its CPU kernel for the same ONNX op (QuantizeLinear,
+    DequantizeLinear, DynamicQuantizeLinear; com.microsoft QLinearAdd, which
+    rounds ties differently: a speed bar only), where it has one;
+  * ``numpy`` and ``jnp``: the expression a user writes by hand (jnp jitted;
+    neither is bit-exact, both are speed bars);
+  * ``torch``: PyTorch's fake-quant training step, for the fake-quant rows;
+  * ``copy``: NumPy copying, between preallocated buffers, as many bytes as the
+    op must move (inputs read once, output written once): the memory floor.
+
+Reported per case: jaxquant's milliseconds and GB/s (bytes moved / time), the
+ratio ``onnxruntime ms / jaxquant ms`` (> 1: jaxquant is faster) and
+jaxquant's fraction of the copy baseline's rate. The JSON holds every peer's
+median; notebooks/04_kernels_and_speed.ipynb plots it. Machines are shared:
+compare ratios within one run, never absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import pathlib
+import platform
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import jaxquant as jq
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
+
+COLUMNS = 1024
+OPS = ("dequantize", "quantize", "dynamic", "add", "fake")
+DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 24, 1 << 26)
+DEFAULT_JSON = pathlib.Path(__file__).resolve().parent / "results" / "cpu.json"
+
+
+@dataclasses.dataclass
+class Case:
+  """One row: an op on one layout and size, with its peers as zero-argument functions."""
+
+  op: str
+  layout: str
+  types: str
+  elements: int
+  bytes_moved: int
+  peers: dict
+
+
+def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants=()):
+  """A zero-argument function running an onnxruntime CPU session, or ``None`` if it refuses.
+
+  ``inputs`` are ``(name, array)`` fed at every call; ``constants`` become
+  initializers (int4 cannot cross ORT's Python API as an input), with graph
+  optimizations off so that ORT cannot fold the op away at load time.
+  """
+  try:
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+    from onnx import helper, numpy_helper  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+
+  def info(name, value):
+    return helper.make_tensor_value_info(
+        name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+
+  graph = helper.make_graph(
+      nodes, "benchmark", [info(name, value) for name, value in inputs],
+      [helper.make_tensor_value_info(name, dtype, None) for name, dtype in outputs],
+      initializer=[numpy_helper.from_array(value, name) for name, value in constants],
+  )
+  imports = [helper.make_opsetid("", opset)]
+  if microsoft:
+    imports.append(helper.make_opsetid("com.microsoft", 1))
+  model = helper.make_model(graph, opset_imports=imports)
+  model.ir_version = 10
+  options = onnxruntime.SessionOptions()
+  if constants:
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  try:
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = dict(inputs)
+    session.run(None, feeds)
+  except Exception:  # pylint: disable=broad-except
+    return None  # not supported by this onnxruntime: the peer is left out
+  return functools.partial(session.run, None, feeds)
+
+
+def _copy(bytes_moved):
+  """NumPy copying ``bytes_moved / 2`` bytes: reads and writes ``bytes_moved`` in all."""
+  source = np.ones(max(bytes_moved // 2, 1), np.uint8)
+  target = np.empty_like(source)
+  return functools.partial(np.copyto, target, source)
+
+
+_LAYOUTS = {
+    # name: (axis, block_size, scale shape for (rows, COLUMNS))
+    "per-tensor": lambda rows: (1, 0, ()),
+    "per-axis": lambda rows: (1, 0, (COLUMNS,)),
+    "blocked-32": lambda rows: (1, 32, (rows, COLUMNS // 32)),
+    "blocked-128": lambda rows: (1, 128, (rows, COLUMNS // 128)),
+}
+
+
+def _expand_scale(scale, block_size):
+  """The scale as a hand-written peer broadcasts it against (rows, COLUMNS)."""
+  if block_size:
+    return np.repeat(scale, block_size, axis=1)
+  return scale if scale.ndim == 0 else scale.reshape(1, -1)
+
+
+def dequantize_cases(elements, rng, *, pallas):
+  from onnx import TensorProto  # pylint: disable=import-outside-toplevel
+  rows = elements // COLUMNS
+  for types, layouts, outputs in [
+      ("int8", _LAYOUTS, ("float32", "bfloat16")),
+      ("uint8", ("per-tensor",), ("float32",)),
+      ("int4 packed", _LAYOUTS, ("float32", "bfloat16")),
+  ]:
+    for layout in layouts:
+      axis, block_size, scale_shape = _LAYOUTS[layout](rows)
+      for output in outputs:
+        scale = rng.uniform(0.01, 0.03, scale_shape).astype(output)
+        full_scale = _expand_scale(scale.astype(np.float32), block_size)
+        if types == "int4 packed":
+          values = rng.integers(-8, 8, (rows, COLUMNS)).astype(ml_dtypes.int4)
+          x = np.asarray(jq.pack(values))
+          zero_point = np.zeros(scale_shape, ml_dtypes.int4)
+          options = dict(packed_shape=(rows, COLUMNS), packed_dtype=jnp.int4)
+          x_bytes = x.size
+        else:
+          x = rng.integers(0, 256, (rows, COLUMNS)).astype(types) if types == "uint8" else \
+              rng.integers(-128, 128, (rows, COLUMNS)).astype(np.int8)
+          values = x
+          zero_point = np.zeros(scale_shape, x.dtype)
+          options = {}
+          x_bytes = x.nbytes
+        x_j, scale_j = jnp.asarray(x), jnp.asarray(scale)
+        zero_point_j = jnp.asarray(zero_point)
+        out_dtype = jnp.dtype(output)
+        peers = {"jaxquant": functools.partial(
+            jq.dequantize_linear, x_j, scale_j, zero_point_j, axis=axis,
+            block_size=block_size, **options)}
+        if pallas:
+          peers["jaxquant-pallas"] = functools.partial(
+              jq.dequantize_linear, x_j, scale_j, zero_point_j, axis=axis,
+              block_size=block_size, implementation="pallas", **options)
+        if output == "float32":
+          if types == "int4 packed":
+            ort = _ort_session(
+                [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
+                       block_size=block_size)],
+                [("s", scale)], [("y", TensorProto.FLOAT)],
+                constants=[("x", values), ("z", zero_point)])
+          else:
+            ort = _ort_session(
+                [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
+                       block_size=block_size)],
+                [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)])
+          if ort is not None:
+            peers["onnxruntime"] = ort
+        repeat = block_size
+
+        @jax.jit
+        def by_hand_jnp(x, s, repeat=repeat, packed=types == "int4 packed",
+                        out_dtype=out_dtype):
+          if packed:
+            low = (x.astype(jnp.int8) << 4) >> 4
+            high = x.astype(jnp.int8) >> 4
+            x = jnp.stack([low, high], axis=-1).reshape(rows, COLUMNS)
+          s = s.astype(jnp.float32)
+          s = jnp.repeat(s, repeat, axis=1) if repeat else s
+          return (x.astype(jnp.float32) * s).astype(out_dtype)
+
+        scale_for_jnp = jnp.asarray(scale if block_size or not scale.ndim
+                                    else scale.reshape(1, -1))
+        peers["jnp"] = functools.partial(by_hand_jnp, x_j, scale_for_jnp)
+        if types != "int4 packed":
+          peers["numpy"] = functools.partial(
+              lambda x, s, dtype: (x.astype(np.float32) * s).astype(dtype),
+              x, full_scale, np.dtype(output))
+        moved = x_bytes + scale.nbytes + zero_point.nbytes + rows * COLUMNS * out_dtype.itemsize
+        yield Case("dequantize", layout, f"{types} -> {output}", rows * COLUMNS, moved, peers)
+
+
+def _node(op, inputs, outputs, **attributes):
+  from onnx import helper  # pylint: disable=import-outside-toplevel
+  return helper.make_node(op, inputs, outputs, **attributes)
+
+
+def quantize_cases(elements, rng, *, pallas):
+  from onnx import TensorProto  # pylint: disable=import-outside-toplevel
+  rows = elements // COLUMNS
+  x = rng.standard_normal((rows, COLUMNS)).astype(np.float32)
+  x_j = jnp.asarray(x)
+  for types in ("int8", "int4 packed"):
+    for layout in _LAYOUTS:
+      axis, block_size, scale_shape = _LAYOUTS[layout](rows)
+      scale = rng.uniform(0.01, 0.03, scale_shape).astype(np.float32)
+      if types == "int4 packed":
+        scale = scale * 20  # int4's range covers the same x
+        zero_point = np.zeros(scale_shape, ml_dtypes.int4)
+        options = dict(packed=True)
+        out_bytes, qmin, qmax = x.size // 2, -8, 7
+      else:
+        zero_point = np.zeros(scale_shape, np.int8)
+        options = {}
+        out_bytes, qmin, qmax = x.size, -128, 127
+      scale_j, zero_point_j = jnp.asarray(scale), jnp.asarray(zero_point)
+      peers = {"jaxquant": functools.partial(
+          jq.quantize_linear, x_j, scale_j, zero_point_j, axis=axis, block_size=block_size,
+          **options)}
+      if pallas:
+        peers["jaxquant-pallas"] = functools.partial(
+            jq.quantize_linear, x_j, scale_j, zero_point_j, axis=axis,
+            block_size=block_size, implementation="pallas", **options)
+      if types == "int8":
+        ort = _ort_session(
+            [_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=axis, block_size=block_size)],
+            [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)])
+        if ort is not None:
+          peers["onnxruntime"] = ort
+      repeat = block_size
+
+      @jax.jit
+      def by_hand_jnp(x, s, repeat=repeat, qmin=qmin, qmax=qmax):
+        s = jnp.repeat(s, repeat, axis=1) if repeat else s
+        q = jnp.clip(jnp.round(x / s), qmin, qmax).astype(jnp.int8)
+        if qmax == 7:
+          pairs = q.reshape(-1, 2).astype(jnp.uint8)
+          return (pairs[:, 0] & 0xF) | (pairs[:, 1] << 4)
+        return q
+
+      full_scale = _expand_scale(scale, block_size)
+      peers["jnp"] = functools.partial(
+          by_hand_jnp, x_j, jnp.asarray(scale if block_size or not scale.ndim
+                                        else scale.reshape(1, -1)))
+      if types == "int8":
+        peers["numpy"] = functools.partial(
+            lambda x, s: np.clip(np.rint(x / s), -128, 127).astype(np.int8), x, full_scale)
+      moved = x.nbytes + scale.nbytes + zero_point.nbytes + out_bytes
+      yield Case("quantize", layout, f"float32 -> {types}", x.size, moved, peers)
+
+
+def dynamic_cases(elements, rng, *, pallas):
+  from onnx import TensorProto  # pylint: disable=import-outside-toplevel
+  x = rng.standard_normal((elements // COLUMNS, COLUMNS)).astype(np.float32)
+  x_j = jnp.asarray(x)
+  for layout, axis in (("per-tensor", None), ("per-row", 0)):
+    peers = {"jaxquant": functools.partial(jq.dynamic_quantize_linear, x_j, axis=axis)}
+    if pallas:
+      peers["jaxquant-pallas"] = functools.partial(
+          jq.dynamic_quantize_linear, x_j, axis=axis, implementation="pallas")
+    if axis is None:
+      ort = _ort_session(
+          [_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], [("x", x)],
+          [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)])
+      if ort is not None:
+        peers["onnxruntime"] = ort
+
+    def by_hand(xp, x, axis=axis):
+      over = None if axis is None else 1  # per row: a scale per row, over its columns
+      low = xp.minimum(xp.min(x, axis=over, keepdims=True), 0)
+      high = xp.maximum(xp.max(x, axis=over, keepdims=True), 0)
+      scale = (high - low) / np.float32(255)
+      zero_point = xp.clip(xp.round(-low / scale), 0, 255)
+      return xp.clip(xp.round(x / scale) + zero_point, 0, 255).astype(np.uint8), scale
+
+    peers["jnp"] = functools.partial(jax.jit(functools.partial(by_hand, jnp)), x_j)
+    peers["numpy"] = functools.partial(by_hand, np, x)
+    # The floor of two passes: x read for the statistics and again to quantize.
+    yield Case("dynamic", layout, "float32 -> uint8", x.size, 2 * x.nbytes + x.size, peers)
+
+
+def add_cases(elements, rng, *, pallas):
+  from onnx import TensorProto  # pylint: disable=import-outside-toplevel
+  shape = (elements // COLUMNS, COLUMNS)
+  a = rng.integers(-128, 128, shape).astype(np.int8)
+  b = rng.integers(-128, 128, shape).astype(np.int8)
+  a_j, b_j = jnp.asarray(a), jnp.asarray(b)
+  scales = [np.float32(0.02), np.float32(0.03), np.float32(0.05)]
+  zero_points = [np.int8(1), np.int8(-3), np.int8(0)]
+  arguments = (a_j, scales[0], zero_points[0], b_j, scales[1], zero_points[1], scales[2],
+               zero_points[2])
+  peers = {"jaxquant": functools.partial(jq.quantized_add, *arguments)}
+  if pallas:
+    peers["jaxquant-pallas"] = functools.partial(
+        jq.quantized_add, *arguments, implementation="pallas")
+  ort = _ort_session(
+      [_node("QLinearAdd", ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["y"],
+             domain="com.microsoft")],
+      [("a", a), ("sa", np.asarray(scales[0])), ("za", np.asarray(zero_points[0])),
+       ("b", b), ("sb", np.asarray(scales[1])), ("zb", np.asarray(zero_points[1])),
+       ("sc", np.asarray(scales[2])), ("zc", np.asarray(zero_points[2]))],
+      [("y", TensorProto.INT8)], microsoft=True)
+  if ort is not None:
+    peers["onnxruntime"] = ort
+
+  def by_hand(xp, a, b):
+    total = ((a.astype(np.float32) - 1) * np.float32(0.02)
+             + (b.astype(np.float32) + 3) * np.float32(0.03))
+    return xp.clip(xp.round(total / np.float32(0.05)), -128, 127).astype(np.int8)
+
+  peers["jnp"] = functools.partial(jax.jit(functools.partial(by_hand, jnp)), a_j, b_j)
+  peers["numpy"] = functools.partial(by_hand, np, a, b)
+  yield Case("add", "per-tensor", "int8 + int8 -> int8", a.size, 3 * a.size, peers)
+
+
+def fake_cases(elements, rng, *, pallas):
+  del pallas  # fake quantization has no Pallas kernel of its own
+  shape = (elements // COLUMNS, COLUMNS)
+  x = rng.standard_normal(shape).astype(np.float32)
+  weights = rng.standard_normal(shape).astype(np.float32)
+  x_j, weights_j = jnp.asarray(x), jnp.asarray(weights)
+
+  def step(fake_quantize):
+    return jax.jit(jax.value_and_grad(lambda x: jnp.sum(weights_j * fake_quantize(x))))
+
+  def by_hand(x, scale=0.02):
+    rounded = jnp.round(x / scale)
+    mask = (rounded >= -128) & (rounded <= 127)
+    fake = jnp.clip(rounded, -128, 127) * scale
+    return jnp.where(mask, x - jax.lax.stop_gradient(x), 0) + jax.lax.stop_gradient(fake)
+
+  peers = {
+      "jaxquant": functools.partial(step(lambda x: jq.fake_quantize(x, 0.02)), x_j),
+      "jnp": functools.partial(step(by_hand), x_j),
+  }
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    torch = None
+  if torch is not None:
+    x_torch = torch.tensor(x, requires_grad=True)
+    weights_torch = torch.tensor(weights)
+
+    def torch_step():
+      x_torch.grad = None
+      loss = (torch.fake_quantize_per_tensor_affine(x_torch, 0.02, 0, -128, 127)
+              * weights_torch).sum()
+      loss.backward()
+      return loss.item()
+
+    peers["torch"] = torch_step
+  # Read x and the weights, write the gradient (the value is a scalar).
+  yield Case("fake", "per-tensor", "float32 value_and_grad", x.size, 3 * x.nbytes, peers)
+
+
+CASES = {
+    "dequantize": dequantize_cases, "quantize": quantize_cases, "dynamic": dynamic_cases,
+    "add": add_cases, "fake": fake_cases,
+}
+
+
+def measure(case, *, repeats, budget_s):
+  """Times ``case``'s peers and the copy baseline; returns the JSON row."""
+  functions = dict(case.peers, copy=_copy(case.bytes_moved))
+  medians, rounds = interleaved_median_ms(functions, repeats=repeats, budget_s=budget_s)
+  ours = medians["jaxquant"]
+  return {
+      "op": case.op, "layout": case.layout, "types": case.types, "elements": case.elements,
+      "bytes_moved": case.bytes_moved, "rounds": rounds, "median_ms": medians,
+      "gb_per_s": {name: case.bytes_moved / ms / 1e6 for name, ms in medians.items()},
+      "vs_onnxruntime": medians["onnxruntime"] / ours if "onnxruntime" in medians else None,
+      "of_copy": medians["copy"] / ours,
+  }
+
+
+def _size(elements):
+  for unit, shift in (("M", 20), ("K", 10)):
+    if elements >= 1 << shift and elements % (1 << shift) == 0:
+      return f"{elements >> shift}{unit}"
+  return str(elements)
+
+
+def markdown(rows):
+  """The rows as a markdown table (the README's "Speed" section)."""
+  lines = [
+      "| op | layout | types | elements | jaxquant ms | GB/s | copy GB/s | of copy "
+      "| onnxruntime ms | vs onnxruntime |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for row in rows:
+    ort = row["median_ms"].get("onnxruntime")
+    versus = row["vs_onnxruntime"]
+    lines.append(
+        f"| {row['op']} | {row['layout']} | {row['types']} | {_size(row['elements'])} "
+        f"| {row['median_ms']['jaxquant']:.3f} | {row['gb_per_s']['jaxquant']:.1f} "
+        f"| {row['gb_per_s']['copy']:.1f} | {row['of_copy']:.2f} "
+        f"| {'-' if ort is None else f'{ort:.3f}'} "
+        f"| {'-' if ort is None else f'{versus:.2f}x'} |")
+  return "\n".join(lines)
+
+
+def _machine():
+  info = {
+      "jax": jax.__version__, "backend": jax.default_backend(),
+      "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+      "platform": platform.platform(), "python": platform.python_version(),
+      "jaxquant": jq.__version__,
+      "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+      "xla_flags": os.environ.get("XLA_FLAGS"),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  try:
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+    info["onnxruntime"] = onnxruntime.__version__
+  except ImportError:
+    pass
+  try:
+    info["load_average"] = os.getloadavg()
+  except OSError:
+    pass
+  return info
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+  parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
+                      help="elements per case (multiples of 1024)")
+  parser.add_argument("--repeats", type=int, default=15, help="rounds per case (median)")
+  parser.add_argument("--budget", type=float, default=3.0,
+                      help="seconds per case; fewer rounds (>= 3) when exceeded")
+  parser.add_argument("--layouts", nargs="+", default=None, help="only these layouts")
+  parser.add_argument("--pallas", action="store_true", help="also time implementation='pallas'")
+  parser.add_argument("--json", type=pathlib.Path, default=None,
+                      help=f"write the rows here (the committed ones: {DEFAULT_JSON})")
+  parser.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
+  args = parser.parse_args(argv)
+  machine = _machine()
+  print(" ".join(f"{key} {value}" for key, value in machine.items()), flush=True)
+  print(f"{'op':10} {'layout':11} {'types':27} {'elements':>8} {'jaxquant ms':>11} "
+        f"{'GB/s':>6} {'of copy':>7} {'vs onnxruntime':>14}", flush=True)
+  rng = np.random.default_rng(0)
+  rows = []
+  for elements in args.sizes:
+    for op in args.ops:
+      for case in CASES[op](elements, rng, pallas=args.pallas):
+        if args.layouts and case.layout not in args.layouts:
+          continue
+        with warnings.catch_warnings():
+          warnings.simplefilter("ignore")
+          row = measure(case, repeats=args.repeats, budget_s=args.budget)
+        rows.append(row)
+        versus = row["vs_onnxruntime"]
+        print(f"{row['op']:10} {row['layout']:11} {row['types']:27} "
+              f"{_size(row['elements']):>8} {row['median_ms']['jaxquant']:11.3f} "
+              f"{row['gb_per_s']['jaxquant']:6.1f} {row['of_copy']:7.2f} "
+              f"{'-' if versus is None else f'{versus:.2f}x':>14}", flush=True)
+  if args.json is not None:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+  if args.markdown:
+    print()
+    print(markdown(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
