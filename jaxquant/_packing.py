@@ -113,7 +113,7 @@ def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
   return lax.bitcast_convert_type(x.astype(_UNSIGNED[info.bits]), info.dtype)
 
 
-def pack_codes(x: jax.Array, bits: int) -> jax.Array:
+def _pack_codes(x: jax.Array, bits: int) -> jax.Array:
   """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
   per_group, group_bytes, word = _group(bits)
   size = x.size
@@ -248,8 +248,8 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
     )
   codes = to_codes(x, info)
   if layout == "rows" and codes.ndim > 1:
-    return along_rows(functools.partial(pack_codes, bits=info.bits), codes)
-  return pack_codes(codes, info.bits)
+    return along_rows(functools.partial(_pack_codes, bits=info.bits), codes)
+  return _pack_codes(codes, info.bits)
 
 
 @_bind.op(shape=_bind.shape, dtype=_bind.dtype)
@@ -380,10 +380,14 @@ def packed_bytes(
   )
   bits = _dtypes.quantized_dtype(function, "dtype", dtype).bits
   size = packed_size(math.prod(shape), bits)
-  rows = shape[:-1] + (packed_size(shape[-1], bits),) if len(shape) > 1 else (size,)
+  expected = f"({size},)"
+  rows = (size,)
+  if len(shape) > 1:
+    rows = shape[:-1] + (packed_size(shape[-1], bits),)
+    expected = f"({size},) (flat) or {rows} (rows)"
   _validate.check(
       packed.shape in ((size,), rows), function, "packed.shape",
-      f"({size},) (flat) or {rows} (rows) to unpack into shape {shape}", packed.shape,
+      f"{expected} to unpack into shape {shape}", packed.shape,
   )
   return packed
 

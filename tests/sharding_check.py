@@ -104,6 +104,8 @@ def jit_cases(mesh_name):
   x_sharding = NamedSharding(mesh, spec)
   replicated = NamedSharding(mesh, P())
   for shard_name, (columns, block_size) in BLOCKED.items():
+    if mesh_name == "2d" and shard_name == "ragged":
+      continue  # the 1-D mesh's short last block; spares the suite's time
     rng = np.random.default_rng(columns + 1)
     x = (rng.standard_normal((ROWS, columns)) * 0.1).astype(np.float32)
     q = rng.integers(-8, 8, (ROWS, columns)).astype(jnp.int4)

@@ -185,7 +185,8 @@ SUB_BYTE_NAMES = "int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn or floa
     (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (5,), jnp.uint2), ValueError,
      "unpack: packed.shape must be (2,) to unpack into shape (5,), got (1,)."),
     (lambda: jq.unpack(jnp.zeros((1, 1), jnp.uint8), (2, 2), jnp.int2), ValueError,
-     "unpack: packed.shape must be (1,) to unpack into shape (2, 2), got (1, 1)."),
+     "unpack: packed.shape must be (1,) (flat) or (2, 1) (rows) to unpack into shape (2, 2), "
+     "got (1, 1)."),
     (lambda: jq.unpack(jnp.zeros(1, jnp.int8), (4,), jnp.int2), TypeError,
      "unpack: packed.dtype must be uint8, got int8."),
     (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (4,), jnp.int8), TypeError,
@@ -196,7 +197,8 @@ SUB_BYTE_NAMES = "int2, uint2, int4, uint4, float4_e2m1fn, float6_e2m3fn or floa
      "unpack_int4: dtype must be int4, uint4 or float4_e2m1fn, got uint2."),
     (lambda: jq.dequantize_linear(jnp.zeros(3, jnp.uint8), 1.0, packed_shape=(2, 4),
                                   packed_dtype=jnp.int2), ValueError,
-     "dequantize_linear: packed.shape must be (2,) to unpack into shape (2, 4), got (3,)."),
+     "dequantize_linear: packed.shape must be (2,) (flat) or (2, 1) (rows) to unpack into "
+     "shape (2, 4), got (3,)."),
     (lambda: jq.dequantize_linear(jnp.zeros(2, jnp.int8), 1.0, packed_shape=(2, 4),
                                   packed_dtype=jnp.int2), TypeError,
      "dequantize_linear: packed.dtype must be uint8, got int8."),

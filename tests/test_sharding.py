@@ -14,7 +14,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import jaxquant as jq
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
 
@@ -88,3 +92,23 @@ def test_pallas_under_jit_runs_one_kernel_per_shard(cases):
   assert pallas
   assert {name: case["collectives"] for name, case in pallas.items()
           if case["collectives"]} == {}
+
+
+@pytest.mark.parametrize("dtype, bits", [("int4", 4), ("int2", 2), ("float6_e2m3fn", 6)])
+@pytest.mark.parametrize("columns", [6, 7, 12])
+def test_rows_layout_round_trips_and_equals_flat_bytes_on_whole_byte_rows(dtype, bits, columns):
+  codes = jnp.asarray(
+      np.random.default_rng(columns).integers(0, 1 << bits, (2, 3, columns)), jnp.uint8)
+  rows = jq.pack(codes, dtype=dtype, layout="rows")
+  assert rows.shape == (2, 3, -(-columns * bits // 8))
+  flat = jq.pack(codes, dtype=dtype)
+  if columns * bits % 8 == 0:
+    np.testing.assert_array_equal(rows.reshape(-1), flat)
+  np.testing.assert_array_equal(
+      jq.unpack(rows, codes.shape, dtype), jq.unpack(flat, codes.shape, dtype))
+  scale = jnp.asarray(np.linspace(0.5, 2.0, 3), jnp.float32)
+  want = jq.dequantize_linear(codes, scale, axis=1, packed_dtype=dtype)
+  for implementation in ("xla", "pallas"):
+    np.testing.assert_array_equal(jq.dequantize_linear(
+        rows, scale, axis=1, packed_shape=codes.shape, packed_dtype=dtype,
+        implementation=implementation), want)
