@@ -335,7 +335,8 @@ ERROR_CASES = [
           shape=(4,), dtype=jnp.int4),
     _case("unpack-packed-too-long", jq.unpack_int4, (jnp.zeros(3, jnp.uint8),),
           ValueError,
-          r"packed\.shape must be \(2,\) to unpack into shape \(2, 2\), got \(3,\)\.",
+          r"packed\.shape must be \(2,\) \(flat\) or \(2, 1\) \(rows\) to unpack into shape "
+          r"\(2, 2\), got \(3,\)\.",
           shape=(2, 2), dtype=jnp.uint4),
     # Odd sizes round up: 5 elements take 3 bytes.
     _case("unpack-packed-odd-size", jq.unpack_int4, (jnp.zeros(2, jnp.uint8),),
@@ -361,7 +362,8 @@ ERROR_CASES = [
           shape=(4,), dtype=jnp.float32),
     # dequantize_linear of packed 4-bit bytes checks them as unpack_int4 does.
     _case("dq-packed-too-short", dq, (jnp.zeros(3, jnp.uint8), 1.0), ValueError,
-          r"packed\.shape must be \(4,\) to unpack into shape \(2, 4\), got \(3,\)\.",
+          r"packed\.shape must be \(4,\) \(flat\) or \(2, 2\) \(rows\) to unpack into shape "
+          r"\(2, 4\), got \(3,\)\.",
           packed_shape=(2, 4)),
     _case("dq-packed-int8-bytes", dq, (_int8(4), 1.0), TypeError,
           r"packed\.dtype must be uint8, got int8\.", packed_shape=(2, 4)),
