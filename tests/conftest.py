@@ -1,4 +1,14 @@
-"""Shared test configuration: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared test configuration: hypothesis profiles sized for a 2-core CI machine.
+
+``HYPOTHESIS_PROFILE`` picks one (README, "Running the tests"):
+
+* ``ci`` (default): 60 examples per property, derandomized, so every run
+  draws the same examples and a failure reproduces as it is;
+* ``dev``: 60 examples, drawn afresh each run, to find new failures while
+  developing (hypothesis prints the seed blob to reproduce one);
+* ``thorough``: 1000 fresh examples per property, for a long run before a
+  release or after changing the numerics.
+"""
 
 import os
 
