@@ -645,6 +645,44 @@ def _positive(function: str, argument: str, value: Any) -> int:
   return value
 
 
+def _nbits_xla(a, b, scales, zero_points, *, K, N, bits, block_size):
+  weight = nbits_weight(b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
+  # Fused into the dot, the dequantization changes XLA:CPU's summation order
+  # for some shapes (a matrix-vector product at K = 1024): the barrier keeps
+  # the product that of the materialized weight, as a user's
+  # ``x @ dequantize_linear(...).T`` and the Pallas kernel compute it.
+  weight = lax.optimization_barrier(weight)
+  return lax.dot_general(
+      a.astype(jnp.float32), weight, (((a.ndim - 1,), (1,)), ((), ())),
+      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+  )
+
+
+def _nbits_kernel(a, b, scales, zero_points, *, K, N, bits, block_size):
+  """The fused kernel on MatMulNBits' own layout: packed rows, per-block scales and codes."""
+  blocks = K // block_size
+  if zero_points is None:
+    zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8)
+  elif bits < 8:
+    row_codes = -(-blocks * bits // 8) * 8 // bits
+    zero_points = _packing.unpacked(
+        jnp.asarray(zero_points).reshape(-1), (N, row_codes), _NBITS_DTYPES[bits]
+    )[:, :blocks].astype(jnp.uint8)
+  else:
+    zero_points = jnp.asarray(zero_points).reshape(N, blocks)
+  formula = functools.partial(
+      _linear.dequantize_formula,
+      info=_dtypes.quantized_dtype("matmul_nbits", "bits", _NBITS_DTYPES[bits]),
+      output_dtype=jnp.float32,
+  )
+  y = pallas_kernels.dequantize_matmul(
+      a.astype(jnp.float32).reshape(-1, K), jnp.asarray(b).reshape(N, K * bits // 8),
+      jnp.asarray(scales).reshape(N, blocks), zero_points,
+      formula=formula, block_size=block_size, bits=bits,
+  )
+  return y.reshape(a.shape[:-1] + (N,))
+
+
 def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
   """MatMulNBits' weight as an ``(N, K)`` float32 matrix, dequantized by ``dequantize_linear``."""
   function = "matmul_nbits"
@@ -694,10 +732,19 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
     if bits < 8:
       zero_points = _packing.unpacked(
           zero_points.reshape(-1), (N, row_bytes * 8 // bits), dtype)[:, :blocks]
-  return _linear.dequantize_linear(
-      codes.astype(dtype), scales, zero_points, axis=1, block_size=block_size,
-      output_dtype=jnp.float32,
+  if K % block_size:
+    return _linear.dequantize_linear(
+        codes.astype(dtype), scales, zero_points, axis=1, block_size=block_size,
+        output_dtype=jnp.float32,
+    )
+  # Whole blocks: dequantize_linear's formula on an (N, blocks, block_size)
+  # view, the same element-wise arithmetic in one fusion.
+  info = _dtypes.quantized_dtype(function, "bits", dtype)
+  weight = _linear.dequantize_formula(
+      codes.reshape(N, blocks, block_size), scales[:, :, None], zero_points[:, :, None],
+      info=info, output_dtype=jnp.float32,
   )
+  return weight.reshape(N, K)
 
 
 @_bind.op(
@@ -770,8 +817,14 @@ def matmul_nbits(
   _dtypes.float_input(function, "a", a)
   _validate.check(a.ndim >= 1 and a.shape[-1] == K, function, "a.shape", f"(..., K = {K})",
                   a.shape)
-  weight = nbits_weight(b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
-  y = jnp.matmul(a.astype(jnp.float32), weight.T, precision=lax.Precision.HIGHEST)
+  xla = functools.partial(_nbits_xla, K=K, N=N, bits=bits, block_size=block_size)
+  zero_points_are_codes = zero_points is None or jnp.asarray(zero_points).dtype == _UINT8
+  if (_dispatch.select(function, implementation) == "pallas" and K % block_size == 0
+      and zero_points_are_codes and a.size):
+    kernel = functools.partial(_nbits_kernel, K=K, N=N, bits=bits, block_size=block_size)
+    y = _dispatch.with_xla_derivatives(kernel, xla)(a, b, scales, zero_points)
+  else:
+    y = xla(a, b, scales, zero_points)
   if bias is not None:
     bias = jnp.asarray(bias)
     _validate.check(bias.shape == (N,), function, "bias.shape", f"({N},)", bias.shape)

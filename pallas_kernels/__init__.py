@@ -17,6 +17,10 @@ from pallas_kernels.dynamic_quantize import dynamic_quantize as dynamic_quantize
 from pallas_kernels.dynamic_quantize import (
     dynamic_quantize_reference as dynamic_quantize_reference,
 )
+from pallas_kernels.matmul import dequantize_matmul as dequantize_matmul
+from pallas_kernels.matmul import (
+    dequantize_matmul_reference as dequantize_matmul_reference,
+)
 from pallas_kernels.quantize import quantize as quantize
 from pallas_kernels.quantize import quantize_reference as quantize_reference
 from pallas_kernels.quantized_add import quantized_add as quantized_add
@@ -26,6 +30,8 @@ from pallas_kernels.quantized_add import (
 
 __all__ = [
     "dequantize",
+    "dequantize_matmul",
+    "dequantize_matmul_reference",
     "dequantize_reference",
     "dynamic_quantize",
     "dynamic_quantize_reference",
