@@ -140,21 +140,38 @@ def op(
     signature = inspect.signature(function)
     parameters = list(signature.parameters)
     body = jax.jit(function, static_argnames=tuple(normalizers)) if jit else function
+    kinds = {p.name: p.kind for p in signature.parameters.values()}
+    positional = [n for n, kind in kinds.items() if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword_only = [n for n, kind in kinds.items() if kind is inspect.Parameter.KEYWORD_ONLY]
+    defaults = {p.name: p.default for p in signature.parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    # ``inspect.Signature.bind`` costs about as much as jit's own dispatch; a
+    # call that names only known parameters, each once, is bound by hand.
+    simple = len(positional) + len(keyword_only) == len(kinds)
+
+    def bind(args, kwargs):
+      if (simple and len(args) <= len(positional) and kwargs.keys() <= kinds.keys()
+          and kwargs.keys().isdisjoint(positional[:len(args)])):
+        arguments = {**defaults, **dict(zip(positional, args)), **kwargs}
+        if len(arguments) == len(kinds):
+          return arguments
+      try:
+        bound_arguments = signature.bind(*args, **kwargs)
+      except TypeError as error:
+        raise _unexpected_keyword(name, error, parameters) from None
+      bound_arguments.apply_defaults()
+      return bound_arguments.arguments
 
     @functools.wraps(function)
     def bound(*args, **kwargs):
-      try:
-        arguments = signature.bind(*args, **kwargs)
-      except TypeError as error:
-        raise _unexpected_keyword(name, error, parameters) from None
-      arguments.apply_defaults()
+      arguments = bind(args, kwargs)
       for argument, normalize in normalizers.items():
-        arguments.arguments[argument] = normalize(name, argument, arguments.arguments[argument])
+        arguments[argument] = normalize(name, argument, arguments[argument])
       if check is not None:
-        check(name, arguments.arguments)
+        check(name, arguments)
       if _checked.enabled():
-        _checked.check(name, arguments.arguments)
-      return body(*arguments.args, **arguments.kwargs)
+        _checked.check(name, arguments)
+      return body(*(arguments[n] for n in positional), **{n: arguments[n] for n in keyword_only})
 
     if jit:
       # How many programs the op has compiled: the retracing tests read it.
