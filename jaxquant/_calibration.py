@@ -248,6 +248,8 @@ def observer_qparams(
   return scale, jnp.zeros((), info.array_dtype)
 
 
+_LAX = {"dot_general": lax.dot_general, "conv_general_dilated": lax.conv_general_dilated}
+
 _STATIC = {
     "dot_general": _dot_general.dot_general_static_int8,
     "einsum_op": _dot_general.dot_general_static_int8,
@@ -316,7 +318,7 @@ def calibrate(
     if attribute == "einsum_op":
       op = functools.partial(jnp.einsum, _dot_general=_recording(path, lax.dot_general, current))
     else:
-      op = _recording(path, originals[path], current)
+      op = _recording(path, originals[path] or _LAX[attribute], current)
     setattr(layer, attribute, op)
 
   @jax.jit

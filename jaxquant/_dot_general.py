@@ -550,6 +550,9 @@ def _chosen(op: Op | None, path: str):
 def layers(module: Any) -> dict[str, tuple[Any, str]]:
   """Every object under ``module`` with a ``dot_general``, ``conv_general_dilated`` or ``einsum_op``.
 
+  The attribute may be ``None`` (Flax's ``nnx.LinearGeneral`` then uses
+  ``lax.dot_general``).
+
   Walks attributes (not starting with ``_``), lists, tuples and dicts, each
   object once; paths are ``/``-joined attribute names and indices, as
   :func:`quantize_params` names parameters (``"layers/0"``).
@@ -572,7 +575,9 @@ def layers(module: Any) -> dict[str, tuple[Any, str]]:
       if attributes is None or isinstance(node, _FUNCTIONS):
         return
       for attribute in ("dot_general", "conv_general_dilated", "einsum_op"):
-        if callable(attributes.get(attribute)):
+        # None is Flax's "the lax default" (nnx.LinearGeneral).
+        if attribute in attributes and (
+            attributes[attribute] is None or callable(attributes[attribute])):
           found["/".join(path)] = (node, attribute)
       children = [(key, child) for key, child in attributes.items()
                   if not key.startswith("_") and not isinstance(child, _FUNCTIONS)]

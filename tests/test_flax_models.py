@@ -1,0 +1,249 @@
+"""Unmodified Flax NNX models quantized in a few lines: weight-only PTQ, dynamic, static, QAT.
+
+Models train on scikit-learn's digits (1347 train / 450 test 8x8 images),
+seeded, once per module. Each flow is a function whose body is the user code,
+and its length is asserted (the issue's <= 5 lines).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxquant as jq
+
+nnx = pytest.importorskip("flax.nnx")
+datasets = pytest.importorskip("sklearn.datasets")
+model_selection = pytest.importorskip("sklearn.model_selection")
+
+
+def _digits():
+  x, y = datasets.load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  return model_selection.train_test_split(x, y, test_size=450, random_state=0, stratify=y)
+
+
+X_TRAIN, X_TEST, Y_TRAIN, Y_TEST = _digits()
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, hidden, *, rngs):
+    self.hidden = nnx.Linear(64, hidden, rngs=rngs)
+    self.out = nnx.Linear(hidden, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.hidden(x)))
+
+
+class CNN(nnx.Module):
+
+  def __init__(self, *, rngs):
+    self.conv1 = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, rngs=rngs)
+    self.out = nnx.Linear(8 * 16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = jax.nn.relu(self.conv1(x.reshape(-1, 8, 8, 1)))
+    x = jax.nn.relu(self.conv2(x))
+    return self.out(x.reshape(x.shape[0], -1))
+
+
+class TransformerBlock(nnx.Module):
+  """Rows of the image as 8 tokens of 8 pixels: embed, attention, MLP, pool."""
+
+  def __init__(self, *, rngs):
+    self.embed = nnx.Linear(8, 32, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=2, in_features=32, decode=False, rngs=rngs)
+    self.norm1 = nnx.LayerNorm(32, rngs=rngs)
+    self.mlp_in = nnx.Linear(32, 64, rngs=rngs)
+    self.mlp_out = nnx.Linear(64, 32, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(32, rngs=rngs)
+    self.out = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.embed(x.reshape(-1, 8, 8))
+    x = self.norm1(x + self.attention(x))
+    x = self.norm2(x + self.mlp_out(jax.nn.relu(self.mlp_in(x))))
+    return self.out(x.mean(axis=1))
+
+
+def _train(model, epochs, learning_rate=1e-2):
+  optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    def loss(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    grads = nnx.grad(loss)(model)
+    optimizer.update(model, grads)
+
+  order = np.random.default_rng(0)
+  for _ in range(epochs):
+    permutation = order.permutation(len(X_TRAIN))
+    for start in range(0, len(permutation), 128):
+      batch = permutation[start:start + 128]
+      step(model, optimizer, X_TRAIN[batch], Y_TRAIN[batch])
+  return model
+
+
+def accuracy(logits) -> float:
+  return float(np.mean(np.asarray(logits).argmax(-1) == Y_TEST) * 100)
+
+
+@pytest.fixture(scope="module")
+def trained():
+  """Float models, trained once: (graphdef, state) each, and their float accuracy."""
+  models = {
+      "mlp": _train(MLP(32, rngs=nnx.Rngs(0)), epochs=60),
+      "cnn": _train(CNN(rngs=nnx.Rngs(0)), epochs=8),
+      "transformer": _train(TransformerBlock(rngs=nnx.Rngs(0)), epochs=8),
+  }
+  return {name: (nnx.split(model), accuracy(model(X_TEST))) for name, model in models.items()}
+
+
+def _fresh(trained, name):
+  (graphdef, state), float_accuracy = trained[name]
+  return nnx.merge(graphdef, state), float_accuracy
+
+
+# The user code of each flow: a model in, logits out.
+
+def weight_only_ptq(model, x, rule):
+  graphdef, state = nnx.split(model)
+  quantized = jq.quantize_params(state, rule)
+  return nnx.merge(graphdef, jq.dequantize_params(quantized))(x)
+
+
+def dynamic_int8(model, x):
+  jq.replace_ops(model, dot_general=jq.dot_general_dynamic_int8,
+                 conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  return model(x)
+
+
+def static_int8(model, x, calibration_batches):
+  jq.replace_ops(model, **jq.calibrate(model, calibration_batches))
+  return model(x)
+
+
+def qat(model, x, train, rule):
+  jq.replace_ops(model, dot_general=jq.dot_general_fake_quant,
+                 conv_general_dilated=jq.conv_general_dilated_fake_quant)
+  graphdef, state = nnx.split(model)
+  params = train(graphdef, jq.quantize_params(state, rule, learnable=True))
+  deployed = jq.quantize_params(params)      # the QuantizedArray pytree
+  return nnx.merge(graphdef, jq.dequantize_params(deployed))(x), params, deployed
+
+
+@pytest.mark.parametrize("flow", [weight_only_ptq, dynamic_int8, static_int8, qat])
+def test_each_flow_is_at_most_five_lines(flow):
+  """Statements, so that a call wrapped over two lines counts once."""
+  (function,) = ast.parse(inspect.getsource(flow)).body
+  assert len(function.body) <= 5, ast.unparse(function)
+
+
+MODELS = ["mlp", "cnn", "transformer"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_int8_weight_only_ptq_within_half_a_point(trained, name):
+  model, float_accuracy = _fresh(trained, name)
+  logits = weight_only_ptq(model, X_TEST, jq.QuantizationRule(dtype=jnp.int8))
+  assert abs(accuracy(logits) - float_accuracy) <= 0.5
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_dynamic_int8_within_half_a_point(trained, name):
+  model, float_accuracy = _fresh(trained, name)
+  assert abs(accuracy(dynamic_int8(model, X_TEST)) - float_accuracy) <= 0.5
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_static_int8_within_half_a_point(trained, name):
+  model, float_accuracy = _fresh(trained, name)
+  batches = [X_TRAIN[start:start + 256] for start in range(0, 1024, 256)]
+  assert abs(accuracy(static_int8(model, X_TEST, batches)) - float_accuracy) <= 0.5
+
+
+def test_layers_reached_in_each_model(trained):
+  reached = {name: sorted(jq.replace_ops(_fresh(trained, name)[0],
+                                         dot_general=jq.dot_general_dynamic_int8,
+                                         conv_general_dilated=jq.conv_general_dilated_dynamic_int8))
+             for name in MODELS}
+  assert reached["mlp"] == ["hidden", "out"]
+  assert reached["cnn"] == ["conv1", "conv2", "out"]
+  assert reached["transformer"] == [
+      "attention/key", "attention/out", "attention/query", "attention/value",
+      "embed", "mlp_in", "mlp_out", "out"]
+
+
+def test_int2_weight_only_recipes_on_the_issue_mlp(trained):
+  """The issue's figures: int2 PTQ of a 32-unit MLP, max/qmax against qmax + 0.5 and MSE."""
+  results = {}
+  for method in ("absmax", "qmax_plus_half", "mse"):
+    model, _ = _fresh(trained, "mlp")
+    rule = jq.QuantizationRule(dtype=jnp.int2, method=method)
+    results[method] = accuracy(weight_only_ptq(model, X_TEST, rule))
+  assert results["qmax_plus_half"] >= results["absmax"] + 15, results
+  assert results["mse"] >= results["absmax"] + 15, results
+
+
+def _qat_trainer(epochs):
+  def train(graphdef, params):
+    optimizer = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, state, x, y):
+      def loss(params):
+        logits = nnx.merge(graphdef, jq.dequantize_params(params))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      updates, state = optimizer.update(jax.grad(loss)(params), state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = optimizer.init(params)
+    order = np.random.default_rng(1)
+    for _ in range(epochs):
+      permutation = order.permutation(len(X_TRAIN))
+      for start in range(0, len(permutation), 128):
+        batch = permutation[start:start + 128]
+        params, state = step(params, state, X_TRAIN[batch], Y_TRAIN[batch])
+    return params
+  return train
+
+
+def test_qat_int8_mlp_within_half_a_point_and_deploys_bit_for_bit(trained):
+  model, float_accuracy = _fresh(trained, "mlp")
+  logits, params, deployed = qat(model, X_TEST, _qat_trainer(3), jq.QuantizationRule())
+  assert abs(accuracy(logits) - float_accuracy) <= 0.5
+  graphdef, _ = nnx.split(model)
+  fake_quant = nnx.merge(graphdef, jq.dequantize_params(params))(X_TEST)
+  np.testing.assert_array_equal(logits, fake_quant)
+  kernels = [leaf for leaf in jax.tree.leaves(deployed, is_leaf=lambda x: isinstance(
+      x, jq.QuantizedArray)) if isinstance(leaf, jq.QuantizedArray)]
+  assert [k.values.dtype for k in kernels] == [jnp.int8, jnp.int8]
+
+
+def test_qat_int2_cnn_learns_its_scales_deploys_packed(trained):
+  """int2 weights in blocks of 5 input channels (conv2's 8 end in a ragged block of 3)."""
+  model, float_accuracy = _fresh(trained, "cnn")
+  rule = jq.QuantizationRule(dtype=jnp.int2, axis=-2, block_size=5, method="qmax_plus_half")
+  state = nnx.state(model)
+  ptq = accuracy(weight_only_ptq(_fresh(trained, "cnn")[0], X_TEST, rule))
+  logits, params, deployed = qat(model, X_TEST, _qat_trainer(4), rule)
+  graphdef, _ = nnx.split(model)  # with the fake-quant convolutions qat installed
+  assert accuracy(logits) > ptq + 5, (ptq, accuracy(logits), float_accuracy)
+  fake_quant = nnx.merge(graphdef, jq.dequantize_params(params))(X_TEST)
+  np.testing.assert_array_equal(logits, fake_quant)
+  conv1 = deployed["conv1"]["kernel"].value
+  assert conv1.packed and conv1.values.dtype == jnp.uint8
+  assert conv1.values.size == 3 * 3 * 1 * 8 // 4  # four int2 per byte
+  learned = params["conv1"]["kernel"].value.scale
+  initial = jq.quantize_params(state, rule, learnable=True)["conv1"]["kernel"].value.scale
+  assert not np.array_equal(learned, initial)
