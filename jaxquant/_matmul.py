@@ -105,6 +105,49 @@ def _signed(x: jax.Array, zero_point: jax.Array | None, info) -> tuple[jax.Array
   return x, zero_point
 
 
+# Integers of magnitude <= 2**24 are exact in float32: with int8 operands
+# (|product| <= 2**14) every partial sum over at most 2**10 terms is too.
+_EXACT_FLOAT_DEPTH = 1024
+
+
+def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
+  """``dot_general`` of int8 (or int32) operands, accumulated exactly, wrapping in int32.
+
+  XLA:CPU's int8 x int8 -> int32 dot is slower than its bfloat16 x bfloat16
+  -> float32 one (benchmarks/matmul.py), which is exact for int8 values:
+  bfloat16 holds every int8, each product is exact in float32, and each
+  partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
+  magnitude <= 2**24, which float32 holds, in whatever order the backend
+  adds. Deeper contractions run in chunks of that depth as a batch dim, the
+  chunks' sums added in int32. Other backends run the int8 dot.
+  """
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  if (jax.default_backend() != "cpu" or lhs.dtype != _INT8 or rhs.dtype != _INT8
+      or len(lhs_contracting) != 1):
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  (lhs_k,), (rhs_k,) = lhs_contracting, rhs_contracting
+  depth = lhs.shape[lhs_k]
+  chunks = -(-depth // _EXACT_FLOAT_DEPTH)
+  lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+  if chunks == 1:
+    total = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
+    return total.astype(jnp.int32)
+
+  def split(x, k):
+    # Zeros pad the last chunk: they add nothing to any sum.
+    x = jnp.pad(x, [(0, chunks * _EXACT_FLOAT_DEPTH - depth if d == k else 0) for d in range(
+        x.ndim)])
+    x = x.reshape(x.shape[:k] + (chunks, _EXACT_FLOAT_DEPTH) + x.shape[k + 1:])
+    return jnp.moveaxis(x, k, 0)
+
+  # Moving each chunk axis to the front shifts every other dim up by one.
+  chunked = (((lhs_k + 1,), (rhs_k + 1,)),
+             ((0,) + tuple(d + 1 for d in lhs_batch), (0,) + tuple(d + 1 for d in rhs_batch)))
+  partial = lax.dot_general(split(lhs, lhs_k), split(rhs, rhs_k), chunked,
+                            preferred_element_type=jnp.float32)
+  return jnp.sum(partial.astype(jnp.int32), axis=0, dtype=jnp.int32)
+
+
 def integer_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -132,7 +175,7 @@ def integer_dot(
   rhs_side = _Side(rhs.ndim, rhs_contracting, rhs_batch)
   lhs, lhs_zero_point = _signed(lhs, lhs_zero_point, lhs_info)
   rhs, rhs_zero_point = _signed(rhs, rhs_zero_point, rhs_info)
-  accumulator = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  accumulator = _int8_dot(lhs, rhs, dimension_numbers)
   to_lhs = functools.partial(lhs_side.to_output, lhs=True, other_free=len(rhs_side.free))
   to_rhs = functools.partial(rhs_side.to_output, lhs=False, other_free=len(lhs_side.free))
   if rhs_zero_point is not None:

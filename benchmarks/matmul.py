@@ -1,0 +1,190 @@
+"""Quantized linear layers against float32 and onnxruntime, interleaved, in one run.
+
+    python benchmarks/matmul.py [--rows 1 64 1024] [--features 1024] [--repeats 21]
+
+Two layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
+
+* dynamic int8: x quantized per tensor to uint8 at every call (ONNX
+  DynamicQuantizeLinear), W int8 per column, symmetric.
+    - ``float32``: ``x @ w`` in float32, the bar every ratio is against;
+    - ``jaxquant``: ``dynamic_quantize_linear`` + ``quantized_dot_general``;
+    - ``jnp, ONNX way``: the same quantization, then ``dot_general(uint8,
+      int8, preferred_element_type=int32)`` minus the zero point's column sums,
+      as a user writes MatMulInteger by hand;
+    - ``onnxruntime``: ``onnxruntime.quantization.quantize_dynamic``'s model of
+      the float layer (DynamicQuantizeLinear + MatMulInteger, fused by its
+      optimizer), per-column int8 weights.
+* weight-only int4: W in blocks of 32 along K, packed two per byte.
+    - ``jaxquant``: ``matmul_nbits`` (XLA);
+    - ``jnp``: unpack the nibbles and dequantize with jnp, then ``x @ w``;
+    - ``onnxruntime``: a MatMulNBits node on the same bytes.
+
+Before timing, jaxquant's dynamic int8 layer is checked bit for bit against
+the onnxruntime model, and ``matmul_nbits`` against onnxruntime's MatMulNBits
+to float32 summation error. Reported: the median of ``--repeats`` calls, each
+peer timed in turn within every repeat, and its ratio to float32 (< 1 is
+faster). The machines here are shared: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+import onnxruntime
+from onnxruntime import quantization
+
+import jaxquant as jq
+
+_DIMS = (((1,), (0,)), ((), ()))
+BLOCK = 32
+
+
+def _session(model: onnx.ModelProto) -> onnxruntime.InferenceSession:
+  return onnxruntime.InferenceSession(model.SerializeToString(),
+                                      providers=["CPUExecutionProvider"])
+
+
+def _float_model(weight: np.ndarray) -> onnx.ModelProto:
+  k, n = weight.shape
+  graph = helper.make_graph(
+      [helper.make_node("MatMul", ["x", "w"], ["y"])], "linear",
+      [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, k])],
+      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, n])],
+      [numpy_helper.from_array(weight, "w")],
+  )
+  return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def dynamic_int8(weight: np.ndarray, path: str):
+  """onnxruntime's dynamically quantized model and jaxquant's layer on its own weights."""
+  onnx.save(_float_model(weight), path + ".float.onnx")
+  quantization.quantize_dynamic(path + ".float.onnx", path, per_channel=True,
+                                weight_type=quantization.QuantType.QInt8)
+  model = onnx.load(path)
+  initializers = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+  (matmul,) = [node for node in model.graph.node if node.op_type == "MatMulInteger"]
+  weight_q = initializers[matmul.input[1]]
+  weight_scale = next(v for name, v in initializers.items()
+                      if name.endswith("scale") and v.size == weight.shape[1])
+  weight_zero_point = initializers.get(matmul.input[3]) if len(matmul.input) > 3 else None
+  weight_scale = jnp.asarray(weight_scale.reshape(1, -1))
+  weight_zero_point = None if weight_zero_point is None else jnp.asarray(
+      weight_zero_point.reshape(1, -1))
+
+  @jax.jit
+  def layer(x, weight_q):
+    q, scale, zero_point = jq.dynamic_quantize_linear(x)
+    return jq.quantized_dot_general(
+        q, weight_q, _DIMS, lhs_scale=scale, lhs_zero_point=zero_point,
+        rhs_scale=weight_scale, rhs_zero_point=weight_zero_point)
+
+  @jax.jit
+  def onnx_way(x, weight_q):
+    q, scale, zero_point = jq.dynamic_quantize_linear(x)
+    accumulator = lax.dot_general(q, weight_q, _DIMS, preferred_element_type=jnp.int32)
+    accumulator -= zero_point.astype(jnp.int32) * jnp.sum(weight_q, 0, dtype=jnp.int32)
+    return accumulator.astype(jnp.float32) * (scale * weight_scale)
+
+  return _session(model), jnp.asarray(weight_q), layer, onnx_way
+
+
+def int4_blocked(weight: np.ndarray):
+  """Weights in blocks of 32 along K, int4 as uint4 codes with zero point 8, packed."""
+  k, n = weight.shape
+  blocks = weight.T.reshape(n, k // BLOCK, BLOCK)
+  scales = (np.abs(blocks).max(-1) / 7).astype(np.float32)
+  codes = np.clip(np.rint(blocks / scales[..., None]) + 8, 0, 15).astype(np.uint8)
+  packed = (codes.reshape(n, -1, 2)[..., 0] | (codes.reshape(n, -1, 2)[..., 1] << 4))
+  packed = packed.reshape(n, k // BLOCK, BLOCK // 2).astype(np.uint8)
+  node = helper.make_node("MatMulNBits", ["x", "b", "scales"], ["y"], domain="com.microsoft",
+                          K=k, N=n, bits=4, block_size=BLOCK)
+  graph = helper.make_graph(
+      [node], "nbits",
+      [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, k])],
+      [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, n])],
+      [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "scales")],
+  )
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                  helper.make_opsetid("com.microsoft", 1)])
+  packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+
+  @jax.jit
+  def layer(x, packed):
+    return jq.matmul_nbits(x, packed, scales, K=k, N=n, block_size=BLOCK)
+
+  @jax.jit
+  def by_hand(x, packed):
+    nibbles = jnp.stack([packed & 15, packed >> 4], -1).reshape(n, k // BLOCK, BLOCK)
+    w = (nibbles.astype(jnp.float32) - 8) * scales[..., None]
+    return x @ w.reshape(n, k).T
+
+  return _session(model), packed, layer, by_hand
+
+
+def _medians(peers: dict, repeats: int) -> dict[str, float]:
+  times = {name: [] for name in peers}
+  for function in peers.values():
+    jax.block_until_ready(function())
+  for _ in range(repeats):
+    for name, function in peers.items():
+      start = time.perf_counter()
+      jax.block_until_ready(function())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024])
+  parser.add_argument("--features", type=int, default=1024)
+  parser.add_argument("--repeats", type=int, default=21)
+  parser.add_argument("--model-path", default="/tmp/jaxquant_matmul_benchmark.onnx")
+  args = parser.parse_args()
+  rng = np.random.default_rng(0)
+  k = n = args.features
+  weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+  w = jnp.asarray(weight)
+  float32 = jax.jit(lambda x, w: x @ w)
+  int8_session, weight_q, int8_layer, int8_onnx_way = dynamic_int8(weight, args.model_path)
+  int4_session, packed, int4_layer, int4_by_hand = int4_blocked(weight)
+  print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
+        f"{jax.device_count()} CPU device(s); K = N = {k}; median of {args.repeats}")
+  print("| layer | M | peer | ms | / float32 |")
+  print("|---|---|---|---|---|")
+  for m in args.rows:
+    x_host = rng.standard_normal((m, k)).astype(np.float32)
+    x = jnp.asarray(x_host)
+    (expected,) = int8_session.run(None, {"x": x_host})
+    np.testing.assert_array_equal(int8_layer(x, weight_q), expected)
+    (expected,) = int4_session.run(None, {"x": x_host})
+    np.testing.assert_allclose(int4_layer(x, packed), expected, rtol=1e-4, atol=1e-4)
+    cases = {
+        "dynamic int8": {
+            "float32": lambda: float32(x, w),
+            "jaxquant": lambda: int8_layer(x, weight_q),
+            "jnp, ONNX way": lambda: int8_onnx_way(x, weight_q),
+            "onnxruntime": lambda: int8_session.run(None, {"x": x_host}),
+        },
+        "weight-only int4": {
+            "float32": lambda: float32(x, w),
+            "jaxquant": lambda: int4_layer(x, packed),
+            "jnp": lambda: int4_by_hand(x, packed),
+            "onnxruntime": lambda: int4_session.run(None, {"x": x_host}),
+        },
+    }
+    for layer, peers in cases.items():
+      medians = _medians(peers, args.repeats)
+      for name, ms in medians.items():
+        print(f"| {layer} | {m} | {name} | {ms:.3f} | {ms / medians['float32']:.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+  main()
