@@ -195,7 +195,7 @@ def observer_qparams(
     *,
     method: ObserverMethod = "minmax",
     percentile: float = 99.99,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
   r"""A per-tensor scale and zero point from an observer, for static quantization.
 
   * ``"minmax"``: asymmetric over ``[min(0, low), max(0, high)]``, as
@@ -217,7 +217,8 @@ def observer_qparams(
     percentile: in (0, 100], for ``"percentile"``.
 
   Returns:
-    ``(scale, zero_point)``: a float32 scalar and a scalar of ``dtype``.
+    ``(scale, zero_point)``: a float32 scalar and a scalar of ``dtype``
+    (``None`` for float6, as :func:`choose_qparams`).
 
   Raises:
     TypeError: if ``dtype`` is not a quantized dtype.
@@ -245,7 +246,7 @@ def observer_qparams(
     magnitude = jnp.maximum(jnp.abs(low), jnp.abs(high))
   qmax = info.max + 0.5 if method == "qmax_plus_half" else info.max
   scale = _recipes._magnitude_scale(jnp.nan_to_num(magnitude), qmax)
-  return scale, jnp.zeros((), info.array_dtype)
+  return scale, None if info.as_codes else jnp.zeros((), info.dtype)
 
 
 _LAX = {"dot_general": lax.dot_general, "conv_general_dilated": lax.conv_general_dilated}

@@ -40,16 +40,35 @@ def _magnitude_scale(magnitude, denominator):
   )
 
 
-def _percentile(view, axes, *, q):
-  magnitude = jnp.abs(view.astype(jnp.float32))
-  # An empty block has no percentile; its scale is 1, as for an all-zero one.
-  if view.size == 0:
-    return (jnp.zeros([n for d, n in enumerate(view.shape) if d not in axes], jnp.float32),)
-  return (jnp.nan_to_num(jnp.nanpercentile(magnitude, q, axis=axes)),)
+def _blocks(x: jax.Array, granularity: _granularity.Granularity) -> jax.Array:
+  """x's elements grouped per parameter: shape ``param_shape + (elements,)``.
+
+  A short last block is padded with NaN, which the statistics here ignore.
+  """
+  x = x.astype(jnp.float32)
+  if granularity.kind == "per-tensor":
+    return x.reshape(granularity.param_shape + (-1,))
+  axis = granularity.axis
+  if granularity.kind == "per-axis":
+    return jnp.moveaxis(x, axis, 0).reshape(granularity.param_shape + (-1,))
+  block, blocks = granularity.block_shape[axis], granularity.param_shape[axis]
+  padding = [(0, blocks * block - n if d == axis else 0) for d, n in enumerate(x.shape)]
+  x = jnp.pad(x, padding, constant_values=np.nan)
+  x = x.reshape(x.shape[:axis] + (blocks, block) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis + 1, -1)
 
 
-def _squared_error(view, axes):
-  return (jnp.sum(jnp.where(jnp.isnan(view), 0, view) ** 2, axis=axes),)
+def _percentile(x, granularity, q):
+  magnitude = jnp.abs(_blocks(x, granularity))
+  if magnitude.shape[-1] == 0:
+    # An empty block has no percentile; its scale is 1, as for an all-zero one.
+    return jnp.zeros(granularity.param_shape, jnp.float32)
+  return jnp.nan_to_num(jnp.nanpercentile(magnitude, q, axis=-1))
+
+
+def _squared_error(error, granularity):
+  error = _blocks(error, granularity)
+  return jnp.sum(jnp.where(jnp.isnan(error), 0, error) ** 2, axis=-1)
 
 
 def _check(function: str, arguments: dict) -> None:
@@ -91,7 +110,7 @@ def choose_qparams(
     method: Method = "absmax",
     clip_ratio: float = 1.0,
     percentile: float = 99.99,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
   r"""A scale and zero point for quantizing ``x`` to ``dtype``, by a recipe.
 
   With :math:`m` the largest magnitude of each block (per tensor, per index
@@ -135,7 +154,8 @@ def choose_qparams(
     ``(scale, zero_point)``: float32 scale shaped ``()``, ``(x.shape[axis],)``
     or, blocked, x's rank with ``ceil(D / block_size)`` along ``axis``, as
     :func:`quantize_linear` takes it; the zero point of the same shape in
-    ``dtype`` (uint8 codes for float6), 0 unless ``method="minmax"``.
+    ``dtype``, 0 unless ``method="minmax"`` (``None`` for float6, which no
+    JAX array holds: pass ``output_dtype=`` to :func:`quantize_linear`).
 
   Raises:
     TypeError: if ``x`` is not a float array or ``dtype`` not a quantized
@@ -169,14 +189,15 @@ def choose_qparams(
     return scale.reshape(shape), zero_point.reshape(shape)
 
   if method == "percentile":
-    (magnitude,) = reduce(functools.partial(_percentile, q=percentile))
+    magnitude = _percentile(x, granularity, percentile)
   else:
     (magnitude,) = reduce(_dynamic._max_magnitude)
   qmax = info.max + 0.5 if method == "qmax_plus_half" else info.max
   scale = _magnitude_scale(magnitude * np.float32(clip_ratio), qmax)
   if method == "mse":
     scale = _mse_scale(x, magnitude * np.float32(clip_ratio), info, granularity, shape)
-  zero_point = jnp.zeros(shape, info.array_dtype)
+  # XLA has no float6 type, and uint8 codes would read as a uint8 zero point.
+  zero_point = None if info.as_codes else jnp.zeros(shape, info.dtype)
   return scale.reshape(shape), zero_point
 
 
@@ -185,18 +206,14 @@ def _mse_scale(x, magnitude, info, granularity, shape):
   ratios = jnp.asarray(MSE_CLIP_RATIOS, jnp.float32)
   axis = granularity.axis
   block_size = granularity.block_shape[axis] if granularity.kind == "blocked" else 0
-  quantizer = _fake._Quantizer(info, np.dtype(np.float32), "identity")
+  x = x.astype(jnp.float32)
 
   def error(ratio):
     scale = _magnitude_scale(magnitude * ratio, info.max)
-    y = _fake._apply(
-        x.astype(jnp.float32), scale, None,
-        _granularity.resolve("choose_qparams", x.shape, scale.reshape(shape).shape,
-                             axis=axis, block_size=block_size),
-        quantizer,
+    y = _fake.fake_quantize(
+        x, scale.reshape(shape), dtype=info.dtype, axis=axis, block_size=block_size
     )
-    (squared,) = _granularity.reduce_blockwise(_squared_error, y - x, granularity)
-    return scale, squared
+    return scale, _squared_error(y - x, granularity)
 
   scales, errors = jax.lax.map(error, ratios)
   # The first (largest) ratio wins ties, so an exact absmax stays absmax.
