@@ -140,6 +140,24 @@ def test_qlinear_matmul_matches_onnxruntime_and_reference():
   assert ties > 0, "no tie with an odd zero point was drawn: the deviation is untested"
 
 
+def test_m2_reference_broadcasts_a_per_row_zero_point_along_k():
+  """M2: onnx.reference subtracts a 1-D a_zero_point along K, not per row."""
+  rng = np.random.default_rng(9)
+  b = _integers(rng, np.int8, (4, 2))
+  a_zero_point = np.int8([1, 2, 3])
+  with pytest.raises(ValueError):  # (3, 4) - (3,) does not broadcast
+    run_reference("MatMulInteger", {"a": _integers(rng, np.int8, (3, 4)), "b": b,
+                                    "a_zero_point": a_zero_point}, np.int32)
+  square = _integers(rng, np.int8, (4, 4))
+  a_zero_point = np.int8([1, 2, 3, 4])
+  reference = run_reference("MatMulInteger", {"a": square, "b": b, "a_zero_point": a_zero_point},
+                            np.int32)
+  per_column = (square.astype(np.int32) - a_zero_point[None, :]) @ b.astype(np.int32)
+  np.testing.assert_array_equal(reference, per_column)
+  per_row = (square.astype(np.int32) - a_zero_point[:, None]) @ b.astype(np.int32)
+  np.testing.assert_array_equal(jq.matmul_integer(square, b, a_zero_point), per_row)
+
+
 def test_qlinear_matmul_per_row_a():
   rng = np.random.default_rng(4)
   a, b = _integers(rng, np.int8, (4, 9)), _integers(rng, np.int8, (9, 3))
