@@ -1,0 +1,223 @@
+"""QuantizedArray / FakeQuantizedArray as pytree leaves, and quantize_params by rules."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+KEY = jax.random.key(0)
+PARAMS = {
+    "encoder": {"kernel": jax.random.normal(KEY, (70, 16)), "bias": jnp.ones(16)},
+    "head": {"kernel": jax.random.normal(jax.random.key(1), (16, 10)).astype(jnp.bfloat16)},
+    "step": jnp.int32(3),
+}
+
+LAYOUTS = [
+    jq.QuantizationRule(),
+    jq.QuantizationRule(axis=None, method="minmax", dtype=jnp.uint8),
+    jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32),        # ragged: 70 = 2 * 32 + 6
+    jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32, packed=False),
+    jq.QuantizationRule(dtype=jnp.int2, axis=0, block_size=16, method="mse"),
+    jq.QuantizationRule(dtype=jnp.float8_e4m3fn),
+    jq.QuantizationRule(dtype=jnp.float4_e2m1fn, axis=-2, block_size=32),
+    jq.QuantizationRule(dtype=jnp.float6_e2m3fn, axis=-2, block_size=32),
+]
+
+
+def _leaves(tree):
+  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (jq.QuantizedArray,
+                                                                 jq.FakeQuantizedArray)))
+
+
+@pytest.mark.parametrize("rule", LAYOUTS, ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}")
+def test_dequantize_is_quantize_then_dequantize_linear(rule):
+  w = PARAMS["encoder"]["kernel"]
+  quantized = jq.quantize_params(w, rule)
+  axis = None if rule.axis is None else rule.axis % 2
+  scale, zero_point = jq.choose_qparams(w, rule.dtype, axis=axis, block_size=rule.block_size,
+                                        method=rule.method)
+  q = jq.quantize_linear(w, scale, zero_point, axis=axis, block_size=rule.block_size,
+                         output_dtype=rule.dtype)
+  codes = "float6" in np.dtype(rule.dtype).name
+  expected = jq.dequantize_linear(q, scale, zero_point, axis=axis, block_size=rule.block_size,
+                                  packed_dtype=rule.dtype if codes else None)
+  np.testing.assert_array_equal(quantized.dequantize(), expected)
+  np.testing.assert_array_equal(quantized.scale, scale)
+  assert quantized.packed == (rule.packed and np.dtype(rule.dtype).itemsize == 1
+                              and jq._dtypes.quantized_dtype("", "", rule.dtype).bits < 8)
+  if quantized.packed:
+    assert quantized.values.dtype == jnp.uint8
+    bits = jq._dtypes.quantized_dtype("", "", rule.dtype).bits
+    assert quantized.values.size == -(-w.size * bits // 8)
+
+
+def test_rules_first_match_wins_rank_and_dtype_filters():
+  rules = [jq.QuantizationRule("head", dtype=None),
+           jq.QuantizationRule("kernel", dtype=jnp.int4, axis=-2, block_size=32),
+           jq.QuantizationRule(".*", dtype=jnp.int8, min_ndim=1)]
+  quantized = jq.quantize_params(PARAMS, rules)
+  assert quantized["head"]["kernel"] is PARAMS["head"]["kernel"]        # kept float
+  assert quantized["encoder"]["kernel"].dtype == jnp.int4
+  assert quantized["encoder"]["bias"].dtype == jnp.int8                  # min_ndim=1
+  assert quantized["step"] is PARAMS["step"]                             # not float
+  default = jq.quantize_params(PARAMS, jq.QuantizationRule())
+  assert not isinstance(default["encoder"]["bias"], jq.QuantizedArray)   # min_ndim=2
+  assert default["head"]["kernel"].output_dtype == jnp.bfloat16
+  assert jq.dequantize_params(default)["head"]["kernel"].dtype == jnp.bfloat16
+  again = jq.quantize_params(default, jq.QuantizationRule(dtype=jnp.int2))
+  assert again["encoder"]["kernel"] is default["encoder"]["kernel"]     # quantized stays
+
+
+def test_path_names_cover_dicts_lists_and_attributes():
+  assert jq._params.path_name(jax.tree_util.tree_flatten_with_path(
+      {"layers": [0, {"kernel": 1}]})[0][1][0]) == "layers/1/kernel"
+
+
+def test_jit_compiles_once_per_layout_and_not_per_value():
+  traces = []
+
+  @jax.jit
+  def forward(params, x):
+    traces.append(1)
+    return x @ jq.dequantize_params(params)["encoder"]["kernel"]
+
+  x = jnp.ones((2, 70))
+  rule = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32)
+  first = jq.quantize_params(PARAMS, rule)
+  second = jq.quantize_params(jax.tree.map(lambda p: p * 2, PARAMS), rule)
+  forward(first, x)
+  forward(second, x)
+  assert len(traces) == 1
+  aux = jax.tree.structure(first)
+  assert aux == jax.tree.structure(second)
+
+
+def test_vmap_over_a_stack_of_quantized_layers():
+  stack = jax.random.normal(KEY, (3, 70, 16))
+  rule = jq.QuantizationRule(dtype=jnp.int8)
+  per_layer = [jq.quantize_params(w, rule) for w in stack]
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
+  np.testing.assert_array_equal(
+      jax.vmap(lambda q: q.dequantize())(stacked),
+      jnp.stack([q.dequantize() for q in per_layer]))
+
+
+def test_grad_reaches_the_float_parts():
+  quantized = jq.quantize_params(PARAMS["encoder"]["kernel"], jq.QuantizationRule())
+  grad = jax.grad(lambda q: jnp.sum(q.dequantize() ** 2), allow_int=True)(quantized)
+  # d/ds sum((q * s)^2) = 2 * s * sum over the column of q^2
+  q = quantized.values.astype(jnp.float32)
+  np.testing.assert_allclose(grad.scale, 2 * quantized.scale * jnp.sum(q * q, axis=0), rtol=1e-5)
+  fake = jq.quantize_params(PARAMS["encoder"]["kernel"], jq.QuantizationRule(), learnable=True)
+  grads = jax.grad(lambda f: jnp.sum(f.dequantize()))(fake)
+  np.testing.assert_array_equal(grads.value, jnp.ones_like(fake.value))   # straight through
+  assert grads.scale.shape == fake.scale.shape and np.any(grads.scale != 0)
+
+
+@pytest.mark.parametrize("rule", [jq.QuantizationRule(),
+                                  jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32),
+                                  jq.QuantizationRule(dtype=jnp.int2, method="qmax_plus_half")])
+def test_learnable_then_quantize_params_deploys_bit_for_bit(rule):
+  fake = jq.quantize_params({k: v for k, v in PARAMS.items() if k != "step"}, rule,
+                            learnable=True)
+  # A few gradient steps move the weights and scales off their PTQ values.
+  def loss(params):
+    dequantized = jq.dequantize_params(params)
+    return sum(jnp.sum(jnp.sin(3 * leaf.astype(jnp.float32)))
+               for leaf in jax.tree.leaves(dequantized))
+  for _ in range(3):
+    fake = jax.tree.map(lambda p, g: p - 0.05 * g, fake, jax.grad(loss)(fake))
+  assert not np.array_equal(_leaves(fake)[1].scale,
+                            _leaves(jq.quantize_params(PARAMS, rule, learnable=True))[1].scale)
+  deployed = jq.quantize_params(fake)
+  for fake_leaf, leaf in zip(_leaves(fake), _leaves(deployed)):
+    if isinstance(fake_leaf, jq.FakeQuantizedArray):
+      assert isinstance(leaf, jq.QuantizedArray) and leaf.dtype == np.dtype(rule.dtype)
+      np.testing.assert_array_equal(leaf.dequantize(), fake_leaf.dequantize())
+
+
+def test_savez_round_trip_bit_identical(tmp_path):
+  quantized = jq.quantize_params(PARAMS, jq.QuantizationRule(dtype=jnp.int4, axis=-2,
+                                                             block_size=32))
+  leaves, treedef = jax.tree.flatten(quantized)
+  np.savez(tmp_path / "params.npz", *[np.asarray(leaf) for leaf in leaves])
+  with np.load(tmp_path / "params.npz") as stored:
+    loaded = jax.tree.unflatten(treedef, [jnp.asarray(stored[f"arr_{i}"])
+                                          for i in range(len(leaves))])
+  for before, after in zip(jax.tree.leaves(jq.dequantize_params(quantized)),
+                           jax.tree.leaves(jq.dequantize_params(loaded))):
+    np.testing.assert_array_equal(before, after)
+
+
+def test_orbax_round_trip_bit_identical(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  quantized = jq.quantize_params(PARAMS, [jq.QuantizationRule("encoder", dtype=jnp.int2),
+                                          jq.QuantizationRule(dtype=jnp.int8)])
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "checkpoint", quantized)
+    checkpointer.wait_until_finished()
+    loaded = checkpointer.restore(tmp_path / "checkpoint", quantized)
+  assert jax.tree.structure(loaded) == jax.tree.structure(quantized)
+  for before, after in zip(jax.tree.leaves(jq.dequantize_params(quantized)),
+                           jax.tree.leaves(jq.dequantize_params(loaded))):
+    np.testing.assert_array_equal(before, after)
+
+
+def test_nbytes_counts_packed_storage():
+  w = PARAMS["encoder"]["kernel"]
+  int4 = jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32))
+  assert int4.nbytes == w.size // 2 + int4.scale.size * 4
+
+
+SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxquant as jq
+    mesh = jax.make_mesh((2,), ("model",))
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)),
+                       NamedSharding(mesh, P(None, "model")))
+    for rule in (jq.QuantizationRule(), jq.QuantizationRule(dtype=jnp.int4, axis=0,
+                                                            block_size=16, packed=False)):
+      q = jax.jit(lambda w: jq.quantize_params(w, rule))(w)
+      assert q.values.sharding.spec == P(None, "model"), q.values.sharding
+      assert len(q.values.addressable_shards) == 2
+      assert q.values.addressable_shards[0].data.shape == (64, 16)
+      y = jax.jit(lambda q: q.dequantize())(q)
+      assert y.sharding.spec == P(None, "model"), y.sharding
+      np.testing.assert_array_equal(y, jq.quantize_params(np.asarray(w), rule).dequantize())
+    print("ok")
+""")
+
+
+def test_sharded_parameters_stay_sharded():
+  """Two CPU devices in a fresh process (the device count is fixed at jax's start)."""
+  environment = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                     JAX_PLATFORMS="cpu",
+                     PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+  result = subprocess.run([sys.executable, "-c", SHARDED], env=environment,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("rules, learnable, error, match", [
+    ("int8", False, TypeError, "rules"),
+    (jq.QuantizationRule(dtype=jnp.float32), False, TypeError, "dtype"),
+    (jq.QuantizationRule(axis=3), False, ValueError, "axis"),
+    (jq.QuantizationRule(dtype=jnp.float8_e4m3fn), True, TypeError, "integer"),
+    (jq.QuantizationRule(method="minmax"), True, ValueError, "method"),
+    (jq.QuantizationRule(), "yes", TypeError, "learnable"),
+])
+def test_errors_name_the_argument(rules, learnable, error, match):
+  with pytest.raises(error, match=match):
+    jq.quantize_params(PARAMS, rules, learnable=learnable)
