@@ -1,0 +1,172 @@
+"""Observers: running and moving-average ranges, histograms, their qparams, calibrate."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+BATCHES = [np.asarray(jax.random.normal(jax.random.key(i), (32, 16)) * (i + 1), np.float32)
+           for i in range(4)]
+
+
+def _observed(batches, **options):
+  state = jq.init_observer(**options)
+  for batch in batches:
+    state = jq.observe(state, batch)
+  return state
+
+
+def test_running_min_max_ignores_nan():
+  batches = BATCHES + [np.array([np.nan, 1.0], np.float32)]
+  state = _observed(batches)
+  values = np.concatenate([b.ravel() for b in BATCHES])
+  assert state.low == values.min() and state.high == values.max()
+  assert state.count == len(batches)
+  assert state.histogram.sum() == values.size + 1                        # the NaN is not counted
+  assert state.histogram_range == np.abs(values).max()
+
+
+def test_moving_average():
+  state = _observed(BATCHES, momentum=0.9)
+  low = BATCHES[0].min()
+  for batch in BATCHES[1:]:
+    low = np.float32(0.9) * low + np.float32(1 - 0.9) * batch.min()
+  np.testing.assert_allclose(state.low, low, rtol=1e-6)
+
+
+def test_histogram_keeps_every_value_through_rebinning():
+  """Each value is counted in a bin whose upper edge is at or above it (rebinning moves counts down)."""
+  state = _observed(BATCHES, bins=64)
+  values = np.abs(np.concatenate([b.ravel() for b in BATCHES]))
+  assert state.histogram.sum() == values.size
+  # The last batch has the widest range, so its own values are binned exactly.
+  width = float(state.histogram_range) / 64
+  own = np.histogram(np.abs(BATCHES[-1]), bins=64, range=(0, float(state.histogram_range)))[0]
+  assert np.all(np.asarray(state.histogram)[-8:] >= own[-8:])
+  assert width > 0
+
+
+def test_observe_inside_a_jitted_forward_pass():
+  """The observer state is an argument and a result of the jitted step, like any pytree."""
+  w = jax.random.normal(jax.random.key(9), (16, 4))
+
+  @jax.jit
+  def forward(state, x):
+    state = jq.observe(state, x)
+    return state, x @ w
+
+  state = jq.init_observer()
+  for batch in BATCHES:
+    state, _ = forward(state, batch)
+  eager = _observed(BATCHES)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(eager)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_qparams_methods():
+  state = _observed(BATCHES)
+  values = np.concatenate([b.ravel() for b in BATCHES])
+  scale, zero_point = jq.observer_qparams(state, jnp.uint8)
+  _, expected_scale, expected_zero_point = jq.dynamic_quantize_linear(values)
+  np.testing.assert_array_equal(scale, expected_scale)
+  np.testing.assert_array_equal(zero_point, expected_zero_point)
+  magnitude = np.abs(values).max()
+  scale, zero_point = jq.observer_qparams(state, jnp.int8, method="absmax")
+  np.testing.assert_array_equal(scale, magnitude / np.float32(127))
+  assert zero_point == 0 and zero_point.dtype == jnp.int8
+  scale, _ = jq.observer_qparams(state, jnp.int4, method="qmax_plus_half")
+  np.testing.assert_array_equal(scale, magnitude / np.float32(7.5))
+  # A histogram's percentile is an upper bin edge, and rebinning moved earlier
+  # batches' counts to old bin centres: close to NumPy's, not equal.
+  scale, _ = jq.observer_qparams(state, jnp.int8, method="percentile", percentile=99.0)
+  tolerance = 0.01 * float(state.histogram_range)
+  assert abs(float(scale) * 127 - np.percentile(np.abs(values), 99.0)) <= tolerance
+  scale, _ = jq.observer_qparams(state, jnp.int4, method="mse")
+  assert 0.2 * magnitude / 7 <= float(scale) < magnitude / 7       # int4 clips Gaussian tails
+  scale, zero_point = jq.observer_qparams(state, jnp.float8_e4m3fn, method="absmax")
+  np.testing.assert_array_equal(scale, magnitude / np.float32(448))
+
+
+def test_empty_observer_gives_scale_one():
+  for method in ("minmax", "absmax", "percentile", "mse"):
+    scale, _ = jq.observer_qparams(jq.init_observer(), jnp.int8, method=method)
+    assert scale == 1, method
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: jq.init_observer(momentum=1.0), ValueError, "momentum"),
+    (lambda: jq.init_observer(bins=1), ValueError, "bins"),
+    (lambda: jq.observe(jq.init_observer(), np.ones(3, np.int32)), TypeError, "x.dtype"),
+    (lambda: jq.observer_qparams(jq.init_observer(), jnp.float8_e4m3fn), ValueError, "method"),
+    (lambda: jq.observer_qparams(jq.init_observer(), method="max"), ValueError, "method"),
+])
+def test_errors(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+class _Dense:
+  """dot_general=None stands for Flax's "use lax.dot_general" (nnx.LinearGeneral)."""
+
+  def __init__(self, w, dot_general=lax.dot_general):
+    self.kernel, self.dot_general = w, dot_general
+
+  def __call__(self, x):
+    dot_general = self.dot_general or lax.dot_general
+    return dot_general(x, self.kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+class _Conv:
+  def __init__(self, w):
+    self.kernel, self.conv_general_dilated = w, lax.conv_general_dilated
+
+  def __call__(self, x):
+    return self.conv_general_dilated(x, self.kernel, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+class _Model:
+  def __init__(self):
+    self.conv = _Conv(jax.random.normal(jax.random.key(1), (3, 3, 1, 4)))
+    self.blocks = [_Dense(jax.random.normal(jax.random.key(2), (4 * 16, 8))),
+                   _Dense(jax.random.normal(jax.random.key(3), (8, 3)), dot_general=None)]
+    self.unused = _Dense(jnp.eye(2))
+
+  def __call__(self, x):
+    x = jax.nn.relu(self.conv(x)).reshape(x.shape[0], -1)
+    return self.blocks[1](jax.nn.relu(self.blocks[0](x)))
+
+
+def test_calibrate_observes_every_layer_input_and_restores_the_model():
+  model = _Model()
+  originals = [model.conv.conv_general_dilated, model.blocks[0].dot_general,
+               model.blocks[1].dot_general]
+  batches = [jax.random.normal(jax.random.key(10 + i), (8, 4, 4, 1)) for i in range(3)]
+  ops = jq.calibrate(model, batches)
+  assert [model.conv.conv_general_dilated, model.blocks[0].dot_general,
+          model.blocks[1].dot_general] == originals
+  assert sorted(ops["dot_general"]) == ["blocks/0", "blocks/1"]          # "unused" never ran
+  assert sorted(ops["conv_general_dilated"]) == ["conv"]
+  # The first layer's input range is the batches' own.
+  values = np.concatenate([np.asarray(b).ravel() for b in batches])
+  scale, zero_point = jq.observer_qparams(jq.observe(jq.init_observer(), values), jnp.int8)
+  np.testing.assert_array_equal(ops["conv_general_dilated"]["conv"].keywords["input_scale"], scale)
+  np.testing.assert_array_equal(
+      ops["conv_general_dilated"]["conv"].keywords["input_zero_point"], zero_point)
+  reference = model(batches[0])
+  assert jq.replace_ops(model, **ops) == ["conv", "blocks/0", "blocks/1"]
+  quantized = model(batches[0])
+  assert np.abs(quantized - reference).max() <= 0.05 * np.abs(reference).max()
+
+
+def test_calibrate_restores_the_model_when_a_batch_fails():
+  model = _Model()
+  original = model.blocks[0].dot_general
+  with pytest.raises(TypeError):
+    jq.calibrate(model, [jnp.ones((2, 4, 4, 1), jnp.int32)])
+  assert model.blocks[0].dot_general is original
