@@ -81,14 +81,16 @@ class _Side:
     """
     if value.ndim == 0:
       return value
-    shape = jnp.transpose(value, self.batch + self.free + self.contracting).shape
-    batch, free = shape[:len(self.batch)], shape[len(self.batch):self.ndim - len(self.contracting)]
-    ones = (1,) * other_free
     value = jnp.transpose(value, self.batch + self.free + self.contracting)
+    batch = value.shape[:len(self.batch)]
+    free = value.shape[len(self.batch):len(self.batch) + len(self.free)]
+    ones = (1,) * other_free
     return value.reshape(batch + free + ones if lhs else batch + ones + free)
 
 
-def _signed(x: jax.Array, zero_point: jax.Array | None, info) -> tuple[jax.Array, jax.Array | None]:
+def _signed(
+    x: jax.Array, zero_point: jax.Array | None, info: _dtypes.QuantizedDType
+) -> tuple[jax.Array, jax.Array | None]:
   """An int8 (or int32) operand and int32 zero point with the same differences ``x - zp``.
 
   uint8 ``x`` is ``int8(x ^ 0x80) + 128``, so ``x - zp = int8(x ^ 0x80) - (zp - 128)``:
@@ -220,7 +222,16 @@ def _check_dimensions(function, lhs_shape, rhs_shape, dimension_numbers):
   )
 
 
-@_bind.op(preferred_element_type=_bind.dtype)
+def _check_dot_zero_points(function: str, arguments: dict) -> None:
+  for name in ("lhs", "rhs"):
+    dtype = getattr(arguments[name], "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+      dtype = _INT8  # a float operand is quantized to int8 unless its zero point says otherwise
+    _dtypes.check_host_zero_point(function, f"{name}_zero_point",
+                                  arguments[f"{name}_zero_point"], dtype)
+
+
+@_bind.op(preferred_element_type=_bind.dtype, check=_check_dot_zero_points)
 def quantized_dot_general(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -391,8 +402,10 @@ def _fake_quantized_dot(function, lhs, rhs, dimension_numbers, lhs_scale, lhs_ze
         scale is not None, function, f"{name}_scale",
         f"given for a float {name} (it is quantized with it)", None, error=TypeError,
     )
-    dtype = _INT8 if zero_point is None else jnp.asarray(zero_point).dtype
-    operands.append((x, jnp.asarray(scale), zero_point, np.dtype(dtype)))
+    # The zero point's dtype, int8 for none or a Python int, as quantize_linear reads it.
+    info = _linear.quantized_output_dtype(
+        function, zero_point, None, argument=f"{name}_zero_point", default=_INT8, integer=True)
+    operands.append((x, jnp.asarray(scale), zero_point, info.dtype))
   (lhs, lhs_scale, lhs_zero_point, lhs_dtype), (rhs, rhs_scale, rhs_zero_point, rhs_dtype) = (
       operands)
   return _fake_quantized_dot_jit(

@@ -109,7 +109,7 @@ def test_quantized_dot_general_dimension_numbers():
 def test_qlinear_matmul_matches_onnxruntime_and_reference():
   """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
   ties = 0
-  for rng, a, b in _matmul_cases(3, 30):
+  for rng, a, b in _matmul_cases(3, 20):
     if a.dtype == np.int8 and b.dtype == np.uint8:
       continue  # onnxruntime 1.32.0 has no int8 x uint8 QLinearMatMul kernel
     tie = rng.random() < 0.5
@@ -250,6 +250,20 @@ def test_fake_quantized_operands_straight_through():
                                       _DIMS), "lhs_scale must be given"),
     (lambda: jq.quantized_dot_general(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8), (1, 0)),
      "dimension_numbers must be"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3), np.uint8), np.ones((3, 2), np.int8), _DIMS,
+                                      lhs_zero_point=256), "lhs_zero_point must be in"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3), np.float32), np.ones((3, 2), np.int8),
+                                      _DIMS, lhs_scale=1.0, lhs_zero_point=-129),
+     "lhs_zero_point must be in"),
+    (lambda: jq.matmul_nbits(np.ones((1, 32), np.float32), np.ones(16, np.uint8),
+                             np.ones((1, 2), np.float32), K=32, N=1, block_size=24),
+     "block_size must be a power of two"),
+    (lambda: jq.matmul_nbits(np.ones((1, 32), np.float32), np.ones(15, np.uint8),
+                             np.ones((1, 2), np.float32), K=32, N=1, block_size=16),
+     "b.shape must be"),
+    (lambda: jq.matmul_nbits(np.ones((1, 32), np.float32), np.ones(16, np.uint8),
+                             np.ones((1, 2), np.float32), K=32, N=1, bits=3, block_size=16),
+     "bits must be 2, 4 or 8"),
     (lambda: jq.qlinear_matmul(np.ones((2, 3), np.int8), 1.0, None, np.ones((3, 2), np.int8),
                                1.0, None, np.ones(2, np.float32)), "y_scale.shape must be"),
 ])
@@ -354,6 +368,22 @@ def test_matmul_nbits_kernel_lowers(platform, bits):
   lowered = jax.jit(call).trace(jnp.ones((64, k))).lower(lowering_platforms=(platform,))
   text = lowered.as_text()
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+
+
+def test_matmul_nbits_and_qlinear_matmul_export_with_a_symbolic_batch():
+  rng = np.random.default_rng(10)
+  b, scales, zero_points = _nbits_case(rng, 4, 64, 8, 32, "packed")
+  (batch,) = export.symbolic_shape("b")
+  nbits = lambda a: jq.matmul_nbits(a, b, scales, zero_points, K=64, N=8, block_size=32)
+  exported = export.export(jax.jit(nbits))(jax.ShapeDtypeStruct((batch, 64), jnp.float32))
+  a = rng.standard_normal((3, 64)).astype(np.float32)
+  np.testing.assert_array_equal(exported.call(a), nbits(a))
+  w = _integers(rng, np.int8, (64, 8))
+  qlinear = lambda a: jq.qlinear_matmul(a, 0.02, np.uint8(128), w, 0.01, None, 0.1, np.uint8(3))
+  exported = export.export(jax.jit(qlinear))(jax.ShapeDtypeStruct((batch, 64), jnp.uint8))
+  a = _integers(rng, np.uint8, (5, 64))
+  np.testing.assert_array_equal(exported.call(a), qlinear(a))
+  np.testing.assert_array_equal(jax.vmap(qlinear)(a[:, None])[:, 0], qlinear(a))
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
