@@ -120,14 +120,18 @@ def test_qlinear_matmul_matches_onnxruntime_and_reference():
     b_zero_point = _integers(rng, b.dtype, column_shape if per_column else ())
     a_scale = np.float32(rng.uniform(0.001, 0.05))
     y_scale = np.float32(rng.uniform(0.005, 0.5))
-    if tie:  # the multiplier is 2**-j: many accumulators land exactly on .5
-      a_scale, b_scale, b_zero_point = np.float32(1), np.float32(1), b_zero_point.reshape(-1)[0]
-      y_scale = np.float32(2.0 ** rng.integers(1, 3))
+    a_zero_point = _integers(rng, a.dtype, ())
     y_zero_point = _integers(rng, a.dtype, ())
     if tie:
-      y_zero_point |= 1  # odd: where onnx.reference's order of rounding shows
+      # Small differences from the zero points and a multiplier of 1/2 or 1/4: many
+      # accumulators land on .5, unsaturated, and the odd zero point shows onnx.reference's order.
+      a_zero_point, b_zero_point = a.dtype.type(10), b.dtype.type(10)
+      a = (10 + rng.integers(-3, 4, a.shape)).astype(a.dtype)
+      b = (10 + rng.integers(-3, 4, b.shape)).astype(b.dtype)
+      a_scale, b_scale, y_scale = np.float32(1), np.float32(1), np.float32(rng.choice([2, 4]))
+      y_zero_point = a.dtype.type(2 * rng.integers(-20, 20) + 1 + (0 if a.dtype == np.int8 else 60))
     inputs = {
-        "a": a, "a_scale": a_scale, "a_zero_point": _integers(rng, a.dtype, ()),
+        "a": a, "a_scale": a_scale, "a_zero_point": a_zero_point,
         "b": b, "b_scale": np.asarray(b_scale), "b_zero_point": b_zero_point,
         "y_scale": y_scale, "y_zero_point": y_zero_point,
     }
@@ -135,7 +139,7 @@ def test_qlinear_matmul_matches_onnxruntime_and_reference():
     got = np.asarray(jq.qlinear_matmul(*inputs.values()))
     np.testing.assert_array_equal(got, run_onnxruntime("QLinearMatMul", inputs, a.dtype))
     reference = run_reference("QLinearMatMul", inputs, a.dtype)
-    accumulator = np.asarray(jq.matmul_integer(a, b, inputs["a_zero_point"], b_zero_point))
+    accumulator = np.asarray(jq.matmul_integer(a, b, a_zero_point, b_zero_point))
     value = accumulator.astype(np.float32) * (a_scale * b_scale / y_scale)
     at_tie = (np.abs(value - np.trunc(value)) == 0.5) & (inputs["y_zero_point"] % 2 == 1)
     np.testing.assert_array_equal(got[~at_tie], reference[~at_tie])
