@@ -35,6 +35,7 @@ DEQUANTIZE_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", DEQUANTIZE_LAYOUTS)
 def test_dequantize_scale_derivatives(layout):
   scale, options = DEQUANTIZE_LAYOUTS[layout]
@@ -79,6 +80,7 @@ def test_quantize_derivatives(dtype):
   _assert_same(_per_implementation(derivatives))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"axis": 0}, {"axis": 1, "block_size": 16}],
                          ids=["per-tensor", "per-row", "blocked"])
 def test_dynamic_quantize_scale_derivative(options):

@@ -224,6 +224,7 @@ def test_onnx_documentation_example():
   assert_outputs_equal(run_reference(x), expected)
 
 
+@pytest.mark.slow
 @hypothesis.given(shape=shapes(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
 def test_uint8_matches_onnxruntime_and_onnx_reference(shape, kind, seed):
   x = random_values(kind, shape, seed)
@@ -419,6 +420,7 @@ def _expected_parameter_shape(shape, axis, block_size):
                for d, n in enumerate(shape))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(layout=granularities(), kind=st.sampled_from(KINDS[:-1]),
                   seed=st.integers(0, 2**32 - 1))
@@ -435,6 +437,7 @@ def test_granularity_matches_slice_by_slice_reference(layout, kind, seed):
     assert not np.any(np.asarray(zero_point).astype(np.int64))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(layout=granularities(), seed=st.integers(0, 2**32 - 1),
                   magnitude=st.integers(-20, 20))
@@ -520,6 +523,7 @@ def test_one_nan_changes_only_its_own_slice(kwargs):
 # --- transformations --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jit_vmap_and_no_retrace():
   rng = np.random.default_rng(3)
   batch = rng.standard_normal((4, 6, 10)).astype(np.float32)

@@ -107,6 +107,7 @@ fake_layouts = layouts()
 few = hypothesis.settings(max_examples=hypothesis.settings.default.max_examples // 3)
 
 
+@pytest.mark.slow
 @hypothesis.given(
     layout=fake_layouts, dtype=st.sampled_from(INTEGER_DTYPES + FLOAT_DTYPES),
     input_dtype=st.sampled_from(INPUT_DTYPES), narrow_range=st.booleans(),
@@ -129,6 +130,7 @@ def test_value_is_dequantize_of_quantize(
   assert_bits_equal(y, expected)
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=fake_layouts, dtype=st.sampled_from(INTEGER_DTYPES + FLOAT_DTYPES),
@@ -220,6 +222,7 @@ def _lsq_reference(x, scale, zero_point, upstream, dtype, narrow_range, grad_fac
   return np.where(inside, upstream, 0), per_scale(local_scale), per_scale(local_zero_point)
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=fake_layouts, dtype=st.sampled_from([jnp.int4, jnp.uint4, jnp.int8, jnp.uint8]),
@@ -294,6 +297,7 @@ def reduction_layouts(draw):
   return x_shape, axis, block_size
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=reduction_layouts(), dtype=st.sampled_from(INTEGER_DTYPES),
@@ -501,6 +505,7 @@ def _assert_second_order(loss, reference, x):
   assert np.any(np.asarray(hvp) != 0), "a zero HVP proves nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("gradient", ["masked", "identity"])
 def test_fake_quantize_second_order_is_straight_through(dtype, gradient):
@@ -523,6 +528,7 @@ def test_fake_quantize_second_order_is_straight_through(dtype, gradient):
   _assert_second_order(loss, reference, x)
 
 
+@pytest.mark.slow
 def test_fake_quantize_learnable_second_order_matches_lsq_by_hand():
   x, scale = _second_order_cases()
   zero_point = jnp.float32(1.0)
@@ -547,6 +553,7 @@ def test_fake_quantize_learnable_second_order_matches_lsq_by_hand():
                        lambda x: reference(x, scale, zero_point), x)
 
 
+@pytest.mark.slow
 def test_fake_quantize_dynamic_second_order_is_straight_through():
   x, _ = _second_order_cases()
   info = _info(jnp.int8)

@@ -228,6 +228,7 @@ def _quantize_cases(draw, dtype):
   return x, scale, zero_point, layout, static, draw(st.sampled_from(["direct", "outer_jit"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
 @hypothesis.settings(max_examples=test_oracles._examples(0.75))
 @hypothesis.given(data=st.data())

@@ -119,6 +119,7 @@ def _on_device(a):
 # --- the public ops: implementation="pallas" == "xla", bit for bit ------------------
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=layouts(), dtype=st.sampled_from(QUANTIZED_DTYPES),
@@ -136,6 +137,7 @@ def test_dequantize_matches_xla(layout, dtype, output_dtype, with_zero_point, se
   assert_bits_equal(run(implementation="pallas"), run(implementation="xla"))
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=layouts(min_rank=1), dtype=st.sampled_from(SUB_BYTE_DTYPES + FLOAT6_DTYPES),
@@ -175,6 +177,7 @@ def test_packed_kernel_reads_bytes(dtype):
     assert kernel.invars[0].aval.size < 64 * 96  # padded to whole tiles, still bytes
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=layouts(), input_dtype=st.sampled_from(FLOAT_DTYPES),
@@ -201,6 +204,7 @@ def broadcast_pairs(draw):
   return tuple(a), tuple(b[draw(st.integers(0, rank)):])
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     shapes=broadcast_pairs(), a_dtype=st.sampled_from(INTEGER_DTYPES),
@@ -217,6 +221,7 @@ def test_quantized_add_matches_xla(shapes, a_dtype, b_dtype, out_dtype, seed):
                     jq.quantized_add(*args, implementation="xla"))
 
 
+@pytest.mark.slow
 @few
 @hypothesis.given(
     layout=layouts(), input_dtype=st.sampled_from(FLOAT_DTYPES),
@@ -312,6 +317,7 @@ def _kernel_operands(rng, shape, dtype, scale_shape):
   return _on_device(x), _scale(rng, scale_shape), _on_device(zero_point)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn,
                                    *FLOAT6_DTYPES])
@@ -374,6 +380,7 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 def test_quantized_add_kernel(backend, max_block):
   rng = np.random.default_rng(4)
@@ -392,6 +399,7 @@ def test_quantized_add_kernel(backend, max_block):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("keep", [(False, False), (True, False), (False, True),
                                   (True, False, True)])

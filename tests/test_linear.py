@@ -330,6 +330,7 @@ def expand_scale(scale, x_shape, axis, block_size):
   return scale
 
 
+@pytest.mark.slow
 @hypothesis.given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
 def test_every_layout_matches_expanded_scale(layout, seed):
   x_shape, scale_shape, axis, block_size = layout

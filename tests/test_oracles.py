@@ -573,6 +573,7 @@ def _quantize_cases(draw, qdtype):
   return x, scale, zero_point, layout, static, draw(st.sampled_from(CALL_STYLES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qdtype", QUANTIZE_DTYPES, ids=lambda d: d.name)
 @hypothesis.settings(max_examples=_examples(0.75))
 @hypothesis.given(data=st.data())
@@ -660,6 +661,7 @@ def _dequantize_cases(draw, qdtype):
   return x, scale, zero_point, layout, static, draw(st.sampled_from(CALL_STYLES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qdtype", DEQUANTIZE_DTYPES, ids=lambda d: d.name)
 @hypothesis.settings(max_examples=_examples(0.75))
 @hypothesis.given(data=st.data())
@@ -794,6 +796,7 @@ def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
     np.testing.assert_array_equal(onnxruntime_result, in_scale_dtype)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=_examples(0.5))
 @hypothesis.given(data=st.data())
 def test_int32_input_matches_the_reference(data):

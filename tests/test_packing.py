@@ -74,6 +74,7 @@ def _check_against_onnx(x, dtype):
   np.testing.assert_array_equal(_codes(numpy_helper.to_array(ours)), _codes(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
 @hypothesis.given(shape=st.lists(st.integers(0, 6), max_size=4), seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=25)

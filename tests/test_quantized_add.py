@@ -114,6 +114,7 @@ def run_qlinear_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scal
                                      domain="com.microsoft")
 
 
+@pytest.mark.slow
 def test_matches_onnxruntime_qlinear_add_within_one():
   """Random data, scales, zero points and broadcast shapes against onnxruntime.
 
@@ -175,6 +176,7 @@ def test_onnxruntime_ties_differ_by_exactly_one():
 # --- dtypes (a, b and the output may each be int8 or uint8, and more) -----------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a_dtype, b_dtype, out_dtype",
                          list(itertools.product(EIGHT_BIT, repeat=3)) + [
                              (jnp.int4, jnp.int4, jnp.int4), (jnp.uint4, jnp.int4, jnp.uint8),
@@ -194,6 +196,7 @@ def test_mixed_dtypes_match_spec_formula(a_dtype, b_dtype, out_dtype):
     assert_bits_equal(jq.quantized_add(*args), reference_add(*args, out_dtype))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=40)
 @hypothesis.given(
     dtypes=st.tuples(*[st.sampled_from([jnp.int8, jnp.uint8, jnp.int4, jnp.int16])] * 3),

@@ -1,0 +1,261 @@
+"""The dot_general / conv_general_dilated drop-ins, replace_ops, and the ONNX export."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+onnx = pytest.importorskip("onnx")
+onnxruntime = pytest.importorskip("onnxruntime")
+
+X = np.asarray(jax.random.normal(jax.random.key(0), (5, 70)), np.float32)
+W = np.asarray(jax.random.normal(jax.random.key(1), (70, 8)), np.float32)
+DENSE = (((1,), (0,)), ((), ()))
+
+
+def _symmetric(x, reduced):
+  """NumPy's int8 values and scale: one scale per index of the dims not reduced."""
+  magnitude = np.abs(x).max(axis=tuple(reduced), keepdims=True)
+  scale = np.where(magnitude == 0, np.float32(1), magnitude / np.float32(127)).astype(np.float32)
+  return np.asarray(jq.quantize_linear(x, scale, axis=None, output_dtype=jnp.int8)), scale
+
+
+# dot_general layouts: (lhs shape, rhs shape, dimension numbers).
+LAYOUTS = [
+    ((5, 70), (70, 8), DENSE),
+    ((2, 3, 16), (16, 4, 5), (((2,), (0,)), ((), ()))),             # Einsum "btd,dhk"
+    ((2, 16, 3), (2, 4, 16), (((1,), (2,)), ((0,), (0,)))),         # batch dim, contracting first
+]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, numbers", LAYOUTS)
+def test_dynamic_int8_is_int32_accumulation_then_scales(lhs_shape, rhs_shape, numbers):
+  lhs = np.asarray(jax.random.normal(jax.random.key(2), lhs_shape), np.float32)
+  rhs = np.asarray(jax.random.normal(jax.random.key(3), rhs_shape), np.float32)
+  (lhs_contracting, rhs_contracting), _ = numbers
+  lhs_q, lhs_scale = _symmetric(lhs, lhs_contracting)
+  rhs_q, rhs_scale = _symmetric(rhs, rhs_contracting)
+  expected = jq.quantized_dot_general(lhs_q, rhs_q, numbers, lhs_scale=lhs_scale,
+                                      rhs_scale=rhs_scale)
+  y = jq.dot_general_dynamic_int8(lhs, rhs, numbers)
+  np.testing.assert_array_equal(y, expected)
+  np.testing.assert_array_equal(jax.jit(jq.dot_general_dynamic_int8, static_argnums=2)(
+      lhs, rhs, numbers), expected)
+  exact = lax.dot_general(lhs, rhs, numbers)
+  assert np.abs(y - exact).max() <= 0.03 * np.abs(exact).max()
+
+
+def test_dynamic_int8_takes_stored_int8_weights():
+  stored = jq.quantize_params(W, jq.QuantizationRule())
+  np.testing.assert_array_equal(jq.dot_general_dynamic_int8(X, stored, DENSE),
+                                jq.dot_general_dynamic_int8(X, W, DENSE))
+  for wrong in (jq.QuantizationRule(dtype=jnp.int4), jq.QuantizationRule(axis=0),
+                jq.QuantizationRule(method="minmax")):
+    with pytest.raises(TypeError, match="rhs"):
+      jq.dot_general_dynamic_int8(X, jq.quantize_params(W, wrong), DENSE)
+
+
+def test_dynamic_int8_dtypes_and_zero_rows():
+  x = X.copy()
+  x[1] = 0
+  y = jq.dot_general_dynamic_int8(x, W, DENSE)
+  np.testing.assert_array_equal(y[1], 0)
+  assert jq.dot_general_dynamic_int8(X.astype(jnp.bfloat16), W.astype(jnp.bfloat16),
+                                     DENSE).dtype == jnp.bfloat16
+  assert jq.dot_general_dynamic_int8(X, W, DENSE,
+                                     preferred_element_type=jnp.float16).dtype == jnp.float16
+  with pytest.raises(TypeError, match="dtype"):
+    jq.dot_general_dynamic_int8(X.astype(np.int32), W, DENSE)
+
+
+@pytest.mark.parametrize("zero_point", [None, -7])
+def test_static_int8(zero_point):
+  scale = np.float32(0.02)
+  q = jq.quantize_linear(X, scale, None if zero_point is None else np.int8(zero_point),
+                         axis=None, output_dtype=jnp.int8)
+  w_q, w_scale = _symmetric(W, (0,))
+  expected = jq.quantized_dot_general(
+      q, w_q, DENSE, lhs_scale=scale,
+      lhs_zero_point=None if zero_point is None else np.int8(zero_point), rhs_scale=w_scale)
+  y = jq.dot_general_static_int8(X, W, DENSE, input_scale=scale, input_zero_point=zero_point)
+  np.testing.assert_array_equal(y, expected)
+
+
+def test_static_int8_errors():
+  with pytest.raises(ValueError, match="input_scale.shape"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=jnp.ones(2))
+  with pytest.raises(TypeError, match="input_zero_point.dtype"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=jnp.int16(1))
+
+
+def test_fake_quant_value_and_straight_through_gradient():
+  lhs_q, lhs_scale = _symmetric(X, (1,))
+  expected = lax.dot_general(
+      np.asarray(jq.dequantize_linear(lhs_q, lhs_scale, axis=None)), W, DENSE)
+  np.testing.assert_array_equal(jq.dot_general_fake_quant(X, W, DENSE), expected)
+  g_x, g_w = jax.grad(lambda x, w: jnp.sum(jq.dot_general_fake_quant(x, w, DENSE)),
+                      argnums=(0, 1))(X, W)
+  # Straight through: d/dx of sum(x @ W) is W's row sums (summed in XLA's order).
+  np.testing.assert_allclose(g_x, np.broadcast_to(W.sum(axis=1), X.shape), rtol=1e-5)
+  np.testing.assert_allclose(g_w, np.broadcast_to(
+      np.asarray(jq.dequantize_linear(lhs_q, lhs_scale, axis=None)).sum(0)[:, None], W.shape),
+      rtol=1e-6)
+
+
+CONV_X = np.asarray(jax.random.normal(jax.random.key(4), (3, 6, 6, 4)), np.float32)
+CONV_W = np.asarray(jax.random.normal(jax.random.key(5), (3, 3, 4, 8)), np.float32)
+CONV = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _integer_conv(x_q, w_q, **options):
+  """The integer convolution, exact in float64 (every partial sum is an integer < 2**53)."""
+  return np.asarray(lax.conv_general_dilated(
+      jnp.asarray(np.asarray(x_q, np.float64), jnp.float32), jnp.asarray(
+          np.asarray(w_q, np.float64), jnp.float32), precision=lax.Precision.HIGHEST,
+      **options)).astype(np.int64)
+
+
+def test_conv_dynamic_int8():
+  x_q, x_scale = _symmetric(CONV_X, (1, 2, 3))
+  w_q, w_scale = _symmetric(CONV_W, (0, 1, 2))
+  accumulator = _integer_conv(x_q, w_q, **CONV)
+  expected = accumulator.astype(np.float32) * (x_scale.reshape(3, 1, 1, 1)
+                                              * w_scale.reshape(1, 1, 1, 8))
+  y = jq.conv_general_dilated_dynamic_int8(CONV_X, CONV_W, **CONV)
+  np.testing.assert_array_equal(y, expected)
+
+
+def test_conv_static_int8_zero_point_with_padding_is_exact():
+  scale, zero_point = np.float32(0.03), np.int8(20)
+  x_q = np.asarray(jq.quantize_linear(CONV_X, scale, zero_point, axis=None)).astype(np.int64)
+  w_q, w_scale = _symmetric(CONV_W, (0, 1, 2))
+  # Zero padding of the shifted values stands for x = 0, as the float convolution pads.
+  accumulator = _integer_conv(x_q - zero_point, w_q, **CONV)
+  expected = accumulator.astype(np.float32) * (scale * w_scale.reshape(1, 1, 1, 8))
+  y = jq.conv_general_dilated_static_int8(CONV_X, CONV_W, **CONV, input_scale=scale,
+                                          input_zero_point=zero_point)
+  np.testing.assert_array_equal(y, expected)
+
+
+def test_conv_fake_quant_and_grouped_dynamic():
+  x_q, x_scale = _symmetric(CONV_X, (1, 2, 3))
+  fake = np.asarray(jq.dequantize_linear(x_q, x_scale, axis=None))
+  np.testing.assert_array_equal(
+      jq.conv_general_dilated_fake_quant(CONV_X, CONV_W, **CONV),
+      lax.conv_general_dilated(fake, CONV_W, **CONV))
+  grouped = dict(CONV, feature_group_count=2)
+  w = CONV_W[:, :, :2, :]
+  y = jq.conv_general_dilated_dynamic_int8(CONV_X, w, **grouped)
+  exact = lax.conv_general_dilated(CONV_X, w, **grouped)
+  assert np.abs(y - exact).max() <= 0.03 * np.abs(exact).max()
+
+
+def test_replace_ops_duck_typed_and_by_path():
+  class Layer:
+    def __init__(self, attribute):
+      setattr(self, attribute, None)
+
+  class Model:
+    def __init__(self):
+      self.encoder = {"dense": Layer("dot_general"), "conv": Layer("conv_general_dilated")}
+      self.heads = (Layer("einsum_op"), Layer("dot_general"))
+      self.again = self.heads  # visited once
+
+  model = Model()
+  changed = jq.replace_ops(model, dot_general={"heads/1": jq.dot_general_fake_quant},
+                           conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  assert changed == ["encoder/conv", "heads/1"]
+  assert model.heads[1].dot_general is jq.dot_general_fake_quant
+  assert model.encoder["dense"].dot_general is None
+  jq.replace_ops(model, dot_general=jq.dot_general_dynamic_int8)
+  einsum = model.heads[0].einsum_op
+  np.testing.assert_array_equal(einsum("bi,io->bo", X, W),
+                                jq.dot_general_dynamic_int8(X, W, DENSE))
+
+
+def test_flax_linen_dense_takes_the_drop_in():
+  linen = pytest.importorskip("flax.linen")
+  dense = linen.Dense(8, dot_general=jq.dot_general_dynamic_int8)
+  variables = dense.init(jax.random.key(0), X)
+  kernel, bias = variables["params"]["kernel"], variables["params"]["bias"]
+  np.testing.assert_array_equal(dense.apply(variables, X),
+                                jq.dot_general_dynamic_int8(X, kernel, DENSE) + bias)
+
+
+def _run_onnxruntime(model, x):
+  options = onnxruntime.SessionOptions()
+  options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                         providers=["CPUExecutionProvider"])
+  return session.run(None, {"x": x})
+
+
+BIAS = np.linspace(-1, 1, 8).astype(np.float32)
+
+
+@pytest.mark.parametrize("rule", [
+    jq.QuantizationRule(),
+    jq.QuantizationRule(dtype=jnp.uint8, method="minmax", axis=None),
+    jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32),            # ragged, packed
+    jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32, packed=False),
+    jq.QuantizationRule(dtype=jnp.int2, axis=0, block_size=16, method="mse"),
+    jq.QuantizationRule(dtype=jnp.float8_e4m3fn),
+], ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}-{r.packed}")
+def test_export_qdq_dequantizes_bit_for_bit_in_onnxruntime(rule):
+  weight = jq.quantize_params(W, rule)
+  model = jq.export_onnx(weight, BIAS)
+  onnx.checker.check_model(model)
+  model.graph.output.append(onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None))
+  y, w = _run_onnxruntime(model, X)
+  np.testing.assert_array_equal(w, weight.dequantize())
+  # The float MatMul sums in onnxruntime's order.
+  np.testing.assert_allclose(y, X @ np.asarray(weight.dequantize()) + BIAS, rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("zero_point", [None, -11])
+@pytest.mark.parametrize("axis", [None, -1])
+def test_export_static_int8_bit_for_bit_in_onnxruntime(zero_point, axis):
+  weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis))
+  x = np.concatenate([X, np.full((1, 70), 1e3, np.float32), np.zeros((1, 70), np.float32)])
+  model = jq.export_onnx(weight, BIAS, input_scale=0.02, input_zero_point=zero_point)
+  onnx.checker.check_model(model)
+  assert [node.op_type for node in model.graph.node] == [
+      "QuantizeLinear", "MatMulInteger", "Cast", "Mul", "Add"]
+  (y,) = _run_onnxruntime(model, x)
+  expected = jq.dot_general_static_int8(x, weight, DENSE, input_scale=np.float32(0.02),
+                                        input_zero_point=zero_point) + BIAS
+  np.testing.assert_array_equal(y, expected)
+
+
+def test_export_errors():
+  with pytest.raises(TypeError, match="weight"):
+    jq.export_onnx(W)
+  with pytest.raises(ValueError, match="weight.shape"):
+    jq.export_onnx(jq.quantize_params(CONV_W, jq.QuantizationRule()))
+  with pytest.raises(ValueError, match="int8 without zero point"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.int4)), input_scale=1.0)
+  with pytest.raises(ValueError, match="packed"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.float6_e2m3fn,
+                                                             packed=False)))
+
+
+def test_export_without_onnx_names_the_extra(monkeypatch):
+  import builtins  # pylint: disable=import-outside-toplevel
+  real_import = builtins.__import__
+
+  def no_onnx(name, *args, **kwargs):
+    if name == "onnx":
+      raise ImportError("No module named 'onnx'")
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "__import__", no_onnx)
+  with pytest.raises(ImportError, match=r"jaxquant\[test\]"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule()))
