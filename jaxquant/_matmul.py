@@ -849,8 +849,9 @@ def matmul_nbits(
     bits: 2, 4 (the default) or 8.
     block_size: a power of two >= 16.
     implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``
-      (a fused kernel that dequantizes packed codes next to the dot; needs
-      K a multiple of block_size, else XLA runs). Same bits.
+      (a fused kernel that dequantizes packed codes next to the dot; it needs
+      K a multiple of block_size, integer zero points and a static batch,
+      else XLA runs). Same bits.
 
   Returns:
     ``(..., N)`` in a's dtype.
@@ -875,8 +876,10 @@ def matmul_nbits(
                   a.shape)
   xla = functools.partial(_nbits_xla, K=K, N=N, bits=bits, block_size=block_size)
   zero_points_are_codes = zero_points is None or jnp.asarray(zero_points).dtype == _UINT8
+  # A symbolic batch (jax.export) has no static grid to tile: XLA runs it.
+  static_batch = all(isinstance(d, int) for d in a.shape)
   if (_dispatch.select(function, implementation) == "pallas" and K % block_size == 0
-      and zero_points_are_codes and a.size):
+      and zero_points_are_codes and static_batch and a.size):
     kernel = functools.partial(_nbits_kernel, K=K, N=N, bits=bits, block_size=block_size)
     y = _dispatch.with_xla_derivatives(kernel, xla)(a, b, scales, zero_points)
   else:

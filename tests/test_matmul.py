@@ -381,10 +381,12 @@ def test_matmul_nbits_and_qlinear_matmul_export_with_a_symbolic_batch():
   rng = np.random.default_rng(10)
   b, scales, zero_points = _nbits_case(rng, 4, 64, 8, 32, "packed")
   (batch,) = export.symbolic_shape("b")
-  nbits = lambda a: jq.matmul_nbits(a, b, scales, zero_points, K=64, N=8, block_size=32)
-  exported = export.export(jax.jit(nbits))(jax.ShapeDtypeStruct((batch, 64), jnp.float32))
   a = rng.standard_normal((3, 64)).astype(np.float32)
-  np.testing.assert_array_equal(exported.call(a), nbits(a))
+  for implementation in ("xla", "pallas"):  # a symbolic batch runs the kernel's XLA twin
+    nbits = lambda a: jq.matmul_nbits(a, b, scales, zero_points, K=64, N=8, block_size=32,
+                                      implementation=implementation)
+    exported = export.export(jax.jit(nbits))(jax.ShapeDtypeStruct((batch, 64), jnp.float32))
+    np.testing.assert_array_equal(exported.call(a), nbits(a))
   w = _integers(rng, np.int8, (64, 8))
   qlinear = lambda a: jq.qlinear_matmul(a, 0.02, np.uint8(128), w, 0.01, None, 0.1, np.uint8(3))
   exported = export.export(jax.jit(qlinear))(jax.ShapeDtypeStruct((batch, 64), jnp.uint8))
@@ -428,3 +430,20 @@ def test_matmul_nbits_from_onnxruntime_quantizer(symmetric):
   np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
   exact = x @ weight  # and it is the layer, to int4 rounding
   assert np.linalg.norm(got - exact) < 0.2 * np.linalg.norm(exact)
+
+
+@pytest.mark.slow  # a fresh interpreter compiles every layer
+def test_benchmark_runs_and_checks_bits(tmp_path):
+  """benchmarks/matmul.py at a tiny size: it asserts jaxquant = onnxruntime before timing."""
+  import pathlib
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  result = subprocess.run(
+      [sys.executable, "benchmarks/matmul.py", "--rows", "2", "--features", "64",
+       "--repeats", "1", "--model-path", str(tmp_path / "linear.onnx")],
+      cwd=root, capture_output=True, text=True, timeout=600, check=True,
+  )
+  rows = [line for line in result.stdout.splitlines() if line.startswith("| dynamic int8 | 2")]
+  assert len(rows) == 4, result.stdout
