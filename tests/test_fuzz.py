@@ -26,6 +26,9 @@ import pytest
 
 import jaxquant as jq
 
+# Every example compiles its op four ways: the whole suite is slow.
+pytestmark = pytest.mark.slow
+
 IMPLEMENTATIONS = ("xla", "pallas")
 FLOAT_INPUTS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 INTEGER_OUTPUTS = tuple(np.dtype(d) for d in (
