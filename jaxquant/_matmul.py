@@ -21,7 +21,6 @@ from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _fake
 from jaxquant import _linear
-from jaxquant import _packing
 from jaxquant import _validate
 import pallas_kernels
 
@@ -719,13 +718,9 @@ def _nbits_kernel(a, b, scales, zero_points, *, K, N, bits, block_size):
   blocks = K // block_size
   if zero_points is None:
     zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8)
-  elif bits < 8:
-    row_codes = -(-blocks * bits // 8) * 8 // bits
-    zero_points = _packing.unpacked(
-        jnp.asarray(zero_points).reshape(-1), (N, row_codes), _NBITS_DTYPES[bits]
-    )[:, :blocks].astype(jnp.uint8)
   else:
-    zero_points = jnp.asarray(zero_points).reshape(N, blocks)
+    zero_points = pallas_kernels.matmul.unpack_codes(
+        jnp.asarray(zero_points).reshape(N, -1), bits)[:, :blocks]
   formula = functools.partial(
       _linear.dequantize_formula,
       info=_dtypes.quantized_dtype("matmul_nbits", "bits", _NBITS_DTYPES[bits]),
@@ -758,12 +753,10 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
   )
   scales = scales.reshape(N, blocks)
   dtype = _NBITS_DTYPES[bits]
-  padded = (N, blocks * block_size)
-  # Each row's blocks are whole bytes, so B is ONNX's one bit stream over (N, K padded).
-  codes = b.reshape(N, -1) if bits == 8 else _packing.unpacked(b.reshape(-1), padded, dtype)
-  codes = codes[:, :K]
+  # Each row's blocks are whole bytes, so each row unpacks on its own.
+  codes = pallas_kernels.matmul.unpack_codes(b.reshape(N, -1), bits)[:, :K]
   if zero_points is None:
-    zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8).astype(dtype)
+    zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8)
   else:
     zero_points = jnp.asarray(zero_points)
     if jnp.issubdtype(zero_points.dtype, jnp.floating):
@@ -784,13 +777,11 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
         zero_points.size == N * row_bytes, function, "zero_points.shape",
         f"(N, ceil(k_blocks * bits / 8)) = ({N}, {row_bytes})", zero_points.shape,
     )
-    zero_points = zero_points.reshape(N, row_bytes)
-    if bits < 8:
-      zero_points = _packing.unpacked(
-          zero_points.reshape(-1), (N, row_bytes * 8 // bits), dtype)[:, :blocks]
+    zero_points = pallas_kernels.matmul.unpack_codes(
+        zero_points.reshape(N, row_bytes), bits)[:, :blocks]
   if K % block_size:
     return _linear.dequantize_linear(
-        codes.astype(dtype), scales, zero_points, axis=1, block_size=block_size,
+        codes.astype(dtype), scales, zero_points.astype(dtype), axis=1, block_size=block_size,
         output_dtype=jnp.float32,
     )
   # Whole blocks: dequantize_linear's formula on an (N, blocks, block_size)

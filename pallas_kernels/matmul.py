@@ -36,10 +36,18 @@ def _expand(blocks: jax.Array, block_size: int) -> jax.Array:
       rows, count * block_size)
 
 
-def _codes(packed: jax.Array, bits: int) -> jax.Array:
-  """Packed bytes as one code per element, LSB first, by halving the width until ``bits``.
+def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
+  """Packed bytes as uint8 codes, one per element, LSB first: ``(..., n)`` -> ``(..., n * 8 // bits)``.
 
-  Each step interleaves two halves with a two-operand stack, the only one Triton lowers.
+  The width halves until it is ``bits``; each step interleaves the two halves
+  with a two-operand stack, the only one Triton lowers (and XLA:CPU fuses into
+  its consumer, where a sub-byte array would be materialized).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.matmul import unpack_codes
+    >>> unpack_codes(jnp.array([0x21, 0xE4], jnp.uint8), 2)
+    Array([1, 0, 2, 0, 0, 1, 2, 3], dtype=uint8)
   """
   codes, width = packed, 8
   while width > bits:
@@ -137,7 +145,7 @@ def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend,
       jnp.pad(a, ((0, padded_n - n), (0, 0))) for a in (packed, scales, zero_points))
 
   def kernel(x_ref, packed_ref, scales_ref, zero_points_ref, y_ref):
-    codes = _codes(packed_ref[...], bits)
+    codes = unpack_codes(packed_ref[...], bits)
     weight = formula(codes, _expand(scales_ref[...], block_size),
                      _expand(zero_points_ref[...], block_size))
     y_ref[...] = lax.dot_general(
@@ -203,7 +211,7 @@ def dequantize_matmul_reference(
     ...     jnp.full((2, 1), 8, jnp.uint8), formula=formula, block_size=16, bits=4)
     Array([[-48., -24.]], dtype=float32)
   """
-  codes = _codes(packed, bits)
+  codes = unpack_codes(packed, bits)
   weight = formula(codes, _expand(scales, block_size), _expand(zero_points, block_size))
   return lax.dot_general(x, weight, _TRANSPOSED_RHS, precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)

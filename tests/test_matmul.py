@@ -435,6 +435,7 @@ def test_matmul_nbits_from_onnxruntime_quantizer(symmetric):
 @pytest.mark.slow  # a fresh interpreter compiles every layer
 def test_benchmark_runs_and_checks_bits(tmp_path):
   """benchmarks/matmul.py at a tiny size: it asserts jaxquant = onnxruntime before timing."""
+  import os
   import pathlib
   import subprocess
   import sys
@@ -444,6 +445,7 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
       [sys.executable, "benchmarks/matmul.py", "--rows", "2", "--features", "64",
        "--repeats", "1", "--model-path", str(tmp_path / "linear.onnx")],
       cwd=root, capture_output=True, text=True, timeout=600, check=True,
+      env={**os.environ, "PYTHONPATH": str(root)},
   )
   rows = [line for line in result.stdout.splitlines() if line.startswith("| dynamic int8 | 2")]
   assert len(rows) == 4, result.stdout
