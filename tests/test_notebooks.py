@@ -17,7 +17,8 @@ import pytest
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 # Notebooks that must show a plot (issue 6); the ONNX one shows tables.
-PLOTTING = {"01_quickstart", "03_quantization_aware_training", "04_kernels_and_speed"}
+PLOTTING = {"01_quickstart", "03_quantization_aware_training", "04_kernels_and_speed",
+            "05_models"}
 
 
 def test_every_notebook_is_here():
