@@ -700,42 +700,15 @@ def _positive(function: str, argument: str, value: Any) -> int:
   return value
 
 
-def _nbits_xla(a, b, scales, zero_points, *, K, N, bits, block_size):
-  weight = nbits_weight(b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
-  # Fused into the dot, the dequantization changes XLA:CPU's summation order
-  # for some shapes (a matrix-vector product at K = 1024): the barrier keeps
-  # the product that of the materialized weight, as a user's
-  # ``x @ dequantize_linear(...).T`` and the Pallas kernel compute it.
-  weight = lax.optimization_barrier(weight)
-  return lax.dot_general(
-      a.astype(jnp.float32), weight, (((a.ndim - 1,), (1,)), ((), ())),
-      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-  )
+def nbits_inputs(b, scales, zero_points, *, K, N, bits, block_size):
+  """MatMulNBits' inputs checked and laid out per row of the weight.
 
-
-def _nbits_kernel(a, b, scales, zero_points, *, K, N, bits, block_size):
-  """The fused kernel on MatMulNBits' own layout: packed rows, per-block scales and codes."""
-  blocks = K // block_size
-  if zero_points is None:
-    zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8)
-  else:
-    zero_points = pallas_kernels.matmul.unpack_codes(
-        jnp.asarray(zero_points).reshape(N, -1), bits)[:, :blocks]
-  formula = functools.partial(
-      _linear.dequantize_formula,
-      info=_dtypes.quantized_dtype("matmul_nbits", "bits", _NBITS_DTYPES[bits]),
-      output_dtype=jnp.float32,
-  )
-  y = pallas_kernels.dequantize_matmul(
-      a.astype(jnp.float32).reshape(-1, K), jnp.asarray(b).reshape(N, K * bits // 8),
-      jnp.asarray(scales).reshape(N, blocks), zero_points,
-      formula=formula, block_size=block_size, bits=bits,
-  )
-  return y.reshape(a.shape[:-1] + (N,))
-
-
-def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
-  """MatMulNBits' weight as an ``(N, K)`` float32 matrix, dequantized by ``dequantize_linear``."""
+  Returns:
+    ``(packed, scales, zero_points)``: the packed codes ``(N, k_blocks *
+    blob_size)`` uint8, the scales ``(N, k_blocks)``, and the zero points
+    ``(N, k_blocks)``: uint8 codes (onnxruntime's default ``2**(bits - 1)``
+    when absent), or float as given.
+  """
   function = "matmul_nbits"
   blocks = -(-K // block_size)
   blob_size = block_size * bits // 8
@@ -751,26 +724,20 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
       scales.size == N * blocks, function, "scales.shape", f"(N, k_blocks) = ({N}, {blocks})",
       scales.shape,
   )
-  scales = scales.reshape(N, blocks)
-  dtype = _NBITS_DTYPES[bits]
-  # Each row's blocks are whole bytes, so each row unpacks on its own.
-  codes = pallas_kernels.matmul.unpack_codes(b.reshape(N, -1), bits)[:, :K]
   if zero_points is None:
     zero_points = jnp.full((N, blocks), 1 << (bits - 1), jnp.uint8)
+  elif jnp.issubdtype(jnp.asarray(zero_points).dtype, jnp.floating):
+    zero_points = jnp.asarray(zero_points)
+    _validate.check(
+        zero_points.size == N * blocks, function, "zero_points.shape",
+        f"(N, k_blocks) = ({N}, {blocks}) for float zero points", zero_points.shape,
+    )
+    zero_points = zero_points.reshape(N, blocks)
   else:
     zero_points = jnp.asarray(zero_points)
-    if jnp.issubdtype(zero_points.dtype, jnp.floating):
-      _validate.check(
-          zero_points.size == N * blocks, function, "zero_points.shape",
-          f"(N, k_blocks) = ({N}, {blocks}) for float zero points", zero_points.shape,
-      )
-      # Float zero points: (q - zp) * scale in float32, each operation rounded once.
-      steps = jnp.repeat(jnp.arange(blocks), block_size)[:K]
-      zero = zero_points.reshape(N, blocks).astype(jnp.float32)[:, steps]
-      return (codes.astype(jnp.float32) - zero) * scales.astype(jnp.float32)[:, steps]
     _validate.check(
         zero_points.dtype == _UINT8, function, "zero_points.dtype",
-        "uint8 (packed) or the scales' float dtype", zero_points.dtype.name, error=TypeError,
+        "uint8 (packed) or a float dtype", zero_points.dtype.name, error=TypeError,
     )
     row_bytes = -(-blocks * bits // 8)
     _validate.check(
@@ -779,6 +746,20 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
     )
     zero_points = pallas_kernels.matmul.unpack_codes(
         zero_points.reshape(N, row_bytes), bits)[:, :blocks]
+  return b.reshape(N, blocks * blob_size), scales.reshape(N, blocks), zero_points
+
+
+def nbits_weight(packed, scales, zero_points, *, K, bits, block_size):
+  """The ``(N, K)`` float32 weight of :func:`nbits_inputs`' arrays: ``dequantize_linear``'s values."""
+  n, blocks = scales.shape
+  # Each row's blocks are whole bytes, so each row unpacks on its own.
+  codes = pallas_kernels.matmul.unpack_codes(packed, bits)[:, :K]
+  if jnp.issubdtype(zero_points.dtype, jnp.floating):
+    # Float zero points: (q - zp) * scale in float32, each operation rounded once.
+    steps = jnp.repeat(jnp.arange(blocks), block_size)[:K]
+    zero = zero_points.astype(jnp.float32)[:, steps]
+    return (codes.astype(jnp.float32) - zero) * scales.astype(jnp.float32)[:, steps]
+  dtype = _NBITS_DTYPES[bits]
   if K % block_size:
     return _linear.dequantize_linear(
         codes.astype(dtype), scales, zero_points.astype(dtype), axis=1, block_size=block_size,
@@ -786,12 +767,39 @@ def nbits_weight(b, scales, zero_points, *, K, N, bits, block_size):
     )
   # Whole blocks: dequantize_linear's formula on an (N, blocks, block_size)
   # view, the same element-wise arithmetic in one fusion.
-  info = _dtypes.quantized_dtype(function, "bits", dtype)
+  info = _dtypes.quantized_dtype("matmul_nbits", "bits", dtype)
   weight = _linear.dequantize_formula(
-      codes.reshape(N, blocks, block_size), scales[:, :, None], zero_points[:, :, None],
+      codes.reshape(n, blocks, block_size), scales[:, :, None], zero_points[:, :, None],
       info=info, output_dtype=jnp.float32,
   )
-  return weight.reshape(N, K)
+  return weight.reshape(n, K)
+
+
+def _nbits_xla(a, packed, scales, zero_points, *, K, bits, block_size):
+  weight = nbits_weight(packed, scales, zero_points, K=K, bits=bits, block_size=block_size)
+  # Fused into the dot, the dequantization changes XLA:CPU's summation order
+  # for some shapes (a matrix-vector product at K = 1024): the barrier keeps
+  # the product that of the materialized weight, as a user's
+  # ``x @ dequantize_linear(...).T`` and the Pallas kernel compute it.
+  weight = lax.optimization_barrier(weight)
+  return lax.dot_general(
+      a.astype(jnp.float32), weight, (((a.ndim - 1,), (1,)), ((), ())),
+      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+  )
+
+
+def _nbits_kernel(a, packed, scales, zero_points, *, K, bits, block_size):
+  """The fused kernel on MatMulNBits' own layout: packed rows, per-block scales and codes."""
+  formula = functools.partial(
+      _linear.dequantize_formula,
+      info=_dtypes.quantized_dtype("matmul_nbits", "bits", _NBITS_DTYPES[bits]),
+      output_dtype=jnp.float32,
+  )
+  y = pallas_kernels.dequantize_matmul(
+      a.astype(jnp.float32).reshape(-1, K), packed, scales, zero_points,
+      formula=formula, block_size=block_size, bits=bits,
+  )
+  return y.reshape(a.shape[:-1] + (scales.shape[0],))
 
 
 @_bind.op(
@@ -865,16 +873,18 @@ def matmul_nbits(
   _dtypes.float_input(function, "a", a)
   _validate.check(a.ndim >= 1 and a.shape[-1] == K, function, "a.shape", f"(..., K = {K})",
                   a.shape)
-  xla = functools.partial(_nbits_xla, K=K, N=N, bits=bits, block_size=block_size)
-  zero_points_are_codes = zero_points is None or jnp.asarray(zero_points).dtype == _UINT8
+  packed, scales, zero_points = nbits_inputs(
+      b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
+  options = dict(K=K, bits=bits, block_size=block_size)
+  xla = functools.partial(_nbits_xla, **options)
   # A symbolic batch (jax.export) has no static grid to tile: XLA runs it.
   static_batch = all(isinstance(d, int) for d in a.shape)
   if (_dispatch.select(function, implementation) == "pallas" and K % block_size == 0
-      and zero_points_are_codes and static_batch and a.size):
-    kernel = functools.partial(_nbits_kernel, K=K, N=N, bits=bits, block_size=block_size)
-    y = _dispatch.with_xla_derivatives(kernel, xla)(a, b, scales, zero_points)
+      and zero_points.dtype == _UINT8 and static_batch and a.size):
+    kernel = functools.partial(_nbits_kernel, **options)
+    y = _dispatch.with_xla_derivatives(kernel, xla)(a, packed, scales, zero_points)
   else:
-    y = xla(a, b, scales, zero_points)
+    y = xla(a, packed, scales, zero_points)
   if bias is not None:
     bias = jnp.asarray(bias)
     _validate.check(bias.shape == (N,), function, "bias.shape", f"({N},)", bias.shape)

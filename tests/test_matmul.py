@@ -308,8 +308,10 @@ def test_matmul_nbits_matches_onnxruntime(bits, k, n, block_size, zero_points):
                         block_size=block_size)
   # Summation order differs: float32 rounding of K products, relative to their magnitudes.
   bound = 4 * k * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(
-      np.asarray(jq._matmul.nbits_weight(b, scales, zero_points, K=k, N=n, bits=bits,
-                                         block_size=block_size))).T + np.abs(bias))
+      np.asarray(jq._matmul.nbits_weight(
+          *jq._matmul.nbits_inputs(b, scales, zero_points, K=k, N=n, bits=bits,
+                                   block_size=block_size),
+          K=k, bits=bits, block_size=block_size))).T + np.abs(bias))
   assert np.all(np.abs(got - expected) <= bound)
 
 
