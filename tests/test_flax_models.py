@@ -241,9 +241,9 @@ def test_qat_int2_cnn_learns_its_scales_deploys_packed(trained):
   assert accuracy(logits) > ptq + 5, (ptq, accuracy(logits), float_accuracy)
   fake_quant = nnx.merge(graphdef, jq.dequantize_params(params))(X_TEST)
   np.testing.assert_array_equal(logits, fake_quant)
-  conv1 = deployed["conv1"]["kernel"].value
+  conv1 = deployed["conv1"]["kernel"].get_value()
   assert conv1.packed and conv1.values.dtype == jnp.uint8
   assert conv1.values.size == 3 * 3 * 1 * 8 // 4  # four int2 per byte
-  learned = params["conv1"]["kernel"].value.scale
-  initial = jq.quantize_params(state, rule, learnable=True)["conv1"]["kernel"].value.scale
+  learned = params["conv1"]["kernel"].get_value().scale
+  initial = jq.quantize_params(state, rule, learnable=True)["conv1"]["kernel"].get_value().scale
   assert not np.array_equal(learned, initial)
