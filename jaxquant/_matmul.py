@@ -176,15 +176,28 @@ def integer_dot(
   rhs_side = _Side(rhs.ndim, rhs_contracting, rhs_batch)
   lhs, lhs_zero_point = _signed(lhs, lhs_zero_point, lhs_info)
   rhs, rhs_zero_point = _signed(rhs, rhs_zero_point, rhs_info)
-  accumulator = _int8_dot(lhs, rhs, dimension_numbers)
   to_lhs = functools.partial(lhs_side.to_output, lhs=True, other_free=len(rhs_side.free))
   to_rhs = functools.partial(rhs_side.to_output, lhs=False, other_free=len(lhs_side.free))
+  if lhs_zero_point is not None and lhs_side.free:
+    # rhs's sums over K are one more row of the product: a row of ones appended
+    # along lhs's longest free dim, sliced off after. A separate reduction of rhs
+    # would read it again, and XLA:CPU reduces a weight's columns slowly.
+    row = max(lhs_side.free, key=lambda d: lhs.shape[d])
+    rows = lhs.shape[row]
+    ones = jnp.ones(lhs.shape[:row] + (1,) + lhs.shape[row + 1:], lhs.dtype)
+    product = _int8_dot(jnp.concatenate([lhs, ones], row), rhs, dimension_numbers)
+    axis = len(lhs_side.batch) + lhs_side.free.index(row)
+    accumulator = lax.slice_in_dim(product, 0, rows, axis=axis)
+    rhs_sums = lax.slice_in_dim(product, rows, rows + 1, axis=axis)
+  else:
+    accumulator = _int8_dot(lhs, rhs, dimension_numbers)
+    if lhs_zero_point is not None:
+      rhs_sums = to_rhs(jnp.sum(rhs, rhs_contracting, dtype=jnp.int32, keepdims=True))
   if rhs_zero_point is not None:
     lhs_sums = jnp.sum(lhs, lhs_contracting, dtype=jnp.int32, keepdims=True)
     accumulator = accumulator - to_lhs(lhs_sums) * to_rhs(rhs_zero_point)
   if lhs_zero_point is not None:
-    rhs_sums = jnp.sum(rhs, rhs_contracting, dtype=jnp.int32, keepdims=True)
-    accumulator = accumulator - to_lhs(lhs_zero_point) * to_rhs(rhs_sums)
+    accumulator = accumulator - to_lhs(lhs_zero_point) * rhs_sums
   if lhs_zero_point is not None and rhs_zero_point is not None:
     # K * z_a * z_b with K reduced mod 2**32, like every other term.
     depth = np.array(math.prod(lhs.shape[d] for d in lhs_contracting) % 2**32, np.uint32)
