@@ -267,10 +267,11 @@ def quantized_dot_general(
   is 1) it is ``y``, each element rounded once from ``float32(acc)`` times
   the float32 product of the two scales, as onnxruntime's dynamically
   quantized MatMulInteger + Mul models compute it. uint8 operands are
-  reinterpreted as int8 with their zero point moved by 128, so every
-  backend runs an int8 x int8 -> int32 dot (XLA:CPU widens uint8 x int8 to
-  int32 arithmetic, several times slower), plus zero-point corrections
-  from the operands' sums along the contracted dims.
+  reinterpreted as int8 with their zero point moved by 128, so the product
+  is an exact int8 x int8 one (XLA:CPU widens uint8 x int8 to int32
+  arithmetic, several times slower; there it runs as an exact bfloat16 dot
+  with float32 accumulation, elsewhere as int8 -> int32), plus zero-point
+  corrections from the operands' sums along the contracted dims.
 
   Scales and zero points are per tensor (one element) or have the operand's
   rank with size 1 on its contracting dims (per row of lhs, per column of

@@ -13,7 +13,7 @@ _DIMS = (((1,), (0,)), ((), ()))
 
 
 def _integers(rng, dtype, shape):
-  info = np.iinfo(dtype)
+  info = jnp.iinfo(dtype)
   return rng.integers(info.min, info.max + 1, shape).astype(dtype)
 
 
@@ -56,6 +56,20 @@ def test_matmul_integer_per_row_and_without_zero_points():
   np.testing.assert_array_equal(jq.matmul_integer(a, b, a_zero_point), expected)
   np.testing.assert_array_equal(
       jq.matmul_integer(a, b), np.matmul(a.astype(np.int32), b.astype(np.int32)))
+
+
+@pytest.mark.parametrize("a_dtype, b_dtype", [(jnp.int4, jnp.uint4), (np.int16, np.uint8),
+                                              (jnp.uint2, np.int8)])
+def test_narrow_and_wide_operands(a_dtype, b_dtype):
+  """4-, 2- and 16-bit operands and zero points, against int64 arithmetic."""
+  rng = np.random.default_rng(11)
+  a = _integers(rng, a_dtype, (3, 40))
+  b = _integers(rng, b_dtype, (40, 5))
+  a_zero_point, b_zero_point = _integers(rng, a_dtype, ()), _integers(rng, b_dtype, (5,))
+  exact = (a.astype(np.int64) - a_zero_point.astype(np.int64)) @ (
+      b.astype(np.int64) - b_zero_point.astype(np.int64))
+  np.testing.assert_array_equal(
+      jq.matmul_integer(a, b, a_zero_point, b_zero_point), _wrap32(exact))
 
 
 @pytest.mark.parametrize("a_dtype, b_dtype", [(np.uint8, np.int8), (np.int8, np.int8),
