@@ -764,7 +764,7 @@ def nbits_inputs(b, scales, zero_points, *, K, N, bits, block_size):
 
 
 def nbits_weight(packed, scales, zero_points, *, K, bits, block_size):
-  """The ``(N, K)`` float32 weight of :func:`nbits_inputs`' arrays: ``dequantize_linear``'s values."""
+  """The ``(N, K)`` float32 weight of :func:`nbits_inputs`' arrays, as ``dequantize_linear``."""
   n, blocks = scales.shape
   # Each row's blocks are whole bytes, so each row unpacks on its own.
   codes = pallas_kernels.matmul.unpack_codes(packed, bits)[:, :K]

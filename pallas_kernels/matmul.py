@@ -37,7 +37,7 @@ def _expand(blocks: jax.Array, block_size: int) -> jax.Array:
 
 
 def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
-  """Packed bytes as uint8 codes, one per element, LSB first: ``(..., n)`` -> ``(..., n * 8 // bits)``.
+  """Packed bytes as uint8 codes, one per element, LSB first: (..., n) -> (..., 8 n / bits).
 
   The width halves until it is ``bits``; each step interleaves the two halves
   with a two-operand stack, the only one Triton lowers (and XLA:CPU fuses into
