@@ -1,7 +1,9 @@
 """The benchmark suite: jaxquant against onnxruntime, NumPy, jnp and a memory copy, in one run.
 
     python -m benchmarks [--ops dequantize quantize dynamic add fake] [--sizes 65536 1048576 ...]
+                         [--layouts per-tensor ...] [--types "int8 -> float32" ...]
                          [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
+    python -m benchmarks --from-json benchmarks/results/cpu.json --markdown [filters]
 
 Every case runs its peers interleaved (one call each, round after round) on the
 same data in one process, and reports medians:
@@ -445,11 +447,26 @@ def main(argv=None):
   parser.add_argument("--budget", type=float, default=3.0,
                       help="seconds per case; fewer rounds (>= 3) when exceeded")
   parser.add_argument("--layouts", nargs="+", default=None, help="only these layouts")
+  parser.add_argument("--types", nargs="+", default=None,
+                      help='only these types, as printed ("int8 -> float32")')
+  parser.add_argument("--from-json", type=pathlib.Path, default=None,
+                      help="print the rows saved there (filtered) instead of measuring")
   parser.add_argument("--pallas", action="store_true", help="also time implementation='pallas'")
   parser.add_argument("--json", type=pathlib.Path, default=None,
                       help=f"write the rows here (the committed ones: {DEFAULT_JSON})")
   parser.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
   args = parser.parse_args(argv)
+
+  def wanted(row):
+    return ((not args.layouts or row["layout"] in args.layouts)
+            and (not args.types or row["types"] in args.types))
+
+  if args.from_json is not None:
+    saved = json.loads(args.from_json.read_text())
+    rows = [row for row in saved["rows"] if row["op"] in args.ops
+            and row["elements"] in args.sizes and wanted(row)]
+    print(markdown(rows))
+    return rows
   machine = _machine()
   print(" ".join(f"{key} {value}" for key, value in machine.items()), flush=True)
   print(f"{'op':10} {'layout':11} {'types':27} {'elements':>8} {'jaxquant ms':>11} "
@@ -459,7 +476,7 @@ def main(argv=None):
   for elements in args.sizes:
     for op in args.ops:
       for case in CASES[op](elements, rng, pallas=args.pallas):
-        if args.layouts and case.layout not in args.layouts:
+        if not wanted({"layout": case.layout, "types": case.types}):
           continue
         with warnings.catch_warnings():
           warnings.simplefilter("ignore")

@@ -7,6 +7,7 @@ the error of each scheme and the throughput of both ops on the current backend.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -115,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         "(quantize_linear(..., packed=True): two nibbles per byte, the ONNX layout).")
   print("max err/step: worst |dequantized - weight| in quantization steps "
         "(<= 0.5 for integer schemes).")
+  if jax.default_backend() == "cpu" and "hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    # Outputs over 32 MiB are fresh mmaps that fault once per 4 KiB page on every call.
+    print("dequantize on CPU writes a fresh float32 weight per call; on Linux, "
+          "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 makes that several times faster "
+          "(README, \"Speed\").")
 
 
 if __name__ == "__main__":
