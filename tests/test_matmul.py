@@ -120,6 +120,7 @@ def test_quantized_dot_general_dimension_numbers():
   np.testing.assert_array_equal(as_bfloat16, scaled.astype(jnp.bfloat16))
 
 
+@pytest.mark.slow  # twenty shapes, each compiled and run in both oracles
 def test_qlinear_matmul_matches_onnxruntime_and_reference():
   """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
   ties = 0
@@ -329,7 +330,9 @@ def test_matmul_nbits_matches_onnxruntime(bits, k, n, block_size, zero_points):
   assert np.all(np.abs(got - expected) <= bound)
 
 
-@pytest.mark.parametrize("m, k, n, block_size", [(5, 96, 16, 32), (1, 1024, 1024, 32)])
+@pytest.mark.parametrize("m, k, n, block_size", [
+    (5, 96, 16, 32), pytest.param(1, 1024, 1024, 32, marks=pytest.mark.slow),
+])
 def test_matmul_nbits_equals_dequantize_then_matmul(m, k, n, block_size):
   """Bit for bit the product with ``dequantize_linear(unpack(b))``, materialized, contracting K.
 
@@ -362,7 +365,8 @@ def test_matmul_nbits_equals_dequantize_then_matmul(m, k, n, block_size):
 
 
 @pytest.mark.parametrize("bits, m, k, n, block_size, zero_points", [
-    (4, 1, 1024, 1024, 32, "packed"), (4, 300, 256, 384, 128, None),
+    pytest.param(4, 1, 1024, 1024, 32, "packed", marks=pytest.mark.slow),
+    (4, 300, 256, 384, 128, None),
     (2, 5, 64, 24, 16, "packed"), (8, 7, 128, 40, 16, "packed"),
 ])
 def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
