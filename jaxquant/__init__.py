@@ -12,6 +12,7 @@ from jaxquant._dot_general import conv_general_dilated_static_int8 as conv_gener
 from jaxquant._dot_general import dot_general_dynamic_int8 as dot_general_dynamic_int8
 from jaxquant._dot_general import dot_general_fake_quant as dot_general_fake_quant
 from jaxquant._dot_general import dot_general_static_int8 as dot_general_static_int8
+from jaxquant._dot_general import dot_general_weight_only as dot_general_weight_only
 from jaxquant._dot_general import replace_ops as replace_ops
 from jaxquant._dynamic import dynamic_quantize_linear as dynamic_quantize_linear
 from jaxquant._elementwise import quantized_add as quantized_add
@@ -55,6 +56,7 @@ __all__ = (
     "dot_general_dynamic_int8",
     "dot_general_fake_quant",
     "dot_general_static_int8",
+    "dot_general_weight_only",
     "dynamic_quantize_linear",
     "export_onnx",
     "fake_quantize",

@@ -25,6 +25,7 @@ from jaxquant import _fake
 from jaxquant import _linear
 from jaxquant import _matmul
 from jaxquant import _params
+from jaxquant import _recipes
 from jaxquant import _validate
 
 _INT8 = _dtypes.quantized_dtype("dot_general", "dtype", jnp.int8)
@@ -252,6 +253,98 @@ def dot_general_static_int8(
 def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   scale = lax.stop_gradient(_symmetric_scale(x, reduced))
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
+
+
+def _weight_only(function, rhs, contracting, *, dtype, block_size, method):
+  """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
+  if isinstance(rhs, _params.QuantizedArray):
+    return rhs.dequantize()
+  rhs = _dtypes.float_input(function, "rhs", jnp.asarray(rhs))
+  contracting = [d % rhs.ndim for d in contracting]
+  _validate.check(
+      block_size == 0 or len(contracting) == 1, function, "block_size",
+      "0 when rhs has several contracting dims", block_size,
+  )
+  free = [d for d in range(rhs.ndim) if d not in contracting]
+  order = (*contracting, *free)
+  # As a (contracted, free) matrix: blocks run along axis 0, output features along axis 1.
+  matrix = jnp.transpose(rhs, order).reshape(
+      int(np.prod([rhs.shape[d] for d in contracting])), -1)
+  axis = 0 if block_size else 1
+  scale, zero_point = _recipes.choose_qparams(
+      matrix, dtype, axis=axis, block_size=block_size, method=method)
+  quantized = _fake.fake_quantize(
+      matrix, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
+  return jnp.transpose(
+      quantized.reshape([rhs.shape[d] for d in order]), np.argsort(order))
+
+
+def dot_general_weight_only(
+    lhs: ArrayLike,
+    rhs: Any,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+    dtype: Any = jnp.int8,
+    block_size: int = 0,
+    method: str = "absmax",
+) -> jax.Array:
+  r"""``lax.dot_general`` with ``rhs`` quantized and dequantized: weight-only quantization.
+
+  .. math::
+
+    y = \mathrm{dot\_general}(x, \hat w), \qquad
+    \hat w = \mathrm{fake\_quantize}(w, s, z), \quad
+    (s, z) = \mathrm{choose\_qparams}(w, \mathrm{dtype}, \mathrm{method})
+
+  with one scale per output feature of ``rhs`` (its dims that are not
+  contracted), or, with ``block_size``, per ``block_size`` elements along its
+  contracting dim (a short last block allowed). A stored
+  :class:`QuantizedArray` ``rhs`` is dequantized instead. The gradient is
+  :func:`fake_quantize`'s straight-through one for ``rhs`` (the scale held
+  constant: qwix-style QAT) and the ordinary one for ``lhs``. Bind the
+  options with ``functools.partial``; :func:`replace_ops` takes the result.
+  For weights stored quantized in memory, use :func:`quantize_params` instead.
+
+  Args:
+    lhs: float activations.
+    rhs: float weights, or a :class:`QuantizedArray`.
+    dimension_numbers: as ``lax.dot_general``'s.
+    precision: passed to ``lax.dot_general``.
+    preferred_element_type: passed to ``lax.dot_general``.
+    out_sharding: passed to ``lax.dot_general``.
+    dtype: the weights' quantized dtype (integer, float8, float6, float4).
+    block_size: block length along the contracting dim, 0 for per output feature.
+    method: :func:`choose_qparams`'s recipe.
+
+  Returns:
+    ``lax.dot_general(lhs, w_hat, ...)``.
+
+  Raises:
+    TypeError: if ``rhs`` is not a float array or :class:`QuantizedArray`, or
+      for an unsupported ``dtype``.
+    ValueError: for ``block_size`` with several contracting dims, or a bad ``method``.
+
+  Example:
+    >>> import functools
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> int2 = functools.partial(jq.dot_general_weight_only, dtype=jnp.int2,
+    ...                          method="qmax_plus_half")
+    >>> w = jnp.array([[0.3, -1.5], [0.9, 0.2], [-0.6, 0.1]])
+    >>> int2(jnp.eye(3), w, (((1,), (0,)), ((), ())))  # s = 0.9 / 1.5, 1.5 / 1.5
+    Array([[ 0.59999996, -2.        ],
+           [ 0.59999996,  0.        ],
+           [-0.59999996,  0.        ]], dtype=float32)
+  """
+  function = "dot_general_weight_only"
+  (_, rhs_contracting), _ = dimension_numbers
+  weight = _weight_only(function, rhs, rhs_contracting, dtype=dtype, block_size=block_size,
+                        method=method)
+  return lax.dot_general(lhs, weight, dimension_numbers, precision, preferred_element_type,
+                         out_sharding=out_sharding)
 
 
 def dot_general_fake_quant(

@@ -109,6 +109,35 @@ def test_fake_quant_value_and_straight_through_gradient():
       rtol=1e-6)
 
 
+@pytest.mark.parametrize("rule, options", [
+    (jq.QuantizationRule(), {}),
+    (jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32, method="mse"),
+     dict(dtype=jnp.int4, block_size=32, method="mse")),                  # ragged: 70 = 2 * 32 + 6
+    (jq.QuantizationRule(dtype=jnp.float8_e4m3fn), dict(dtype=jnp.float8_e4m3fn)),
+])
+def test_weight_only_is_the_dequantized_weight_s_dot(rule, options):
+  expected = lax.dot_general(X, jq.quantize_params(W, rule).dequantize(), DENSE)
+  np.testing.assert_array_equal(jq.dot_general_weight_only(X, W, DENSE, **options), expected)
+  stored = jq.quantize_params(W, rule)
+  np.testing.assert_array_equal(jq.dot_general_weight_only(X, stored, DENSE), expected)
+
+
+def test_weight_only_general_layout_and_gradient():
+  lhs = np.asarray(jax.random.normal(jax.random.key(6), (2, 3, 16)), np.float32)
+  rhs = np.asarray(jax.random.normal(jax.random.key(7), (16, 4, 5)), np.float32)
+  numbers = (((2,), (0,)), ((), ()))
+  matrix = jq.quantize_params(rhs.reshape(16, 20), jq.QuantizationRule(dtype=jnp.int4))
+  expected = lax.dot_general(lhs, matrix.dequantize().reshape(16, 4, 5), numbers)
+  np.testing.assert_array_equal(
+      jq.dot_general_weight_only(lhs, rhs, numbers, dtype=jnp.int4), expected)
+  # Straight through for rhs (absmax: nothing saturates), ordinary for lhs.
+  g_rhs = jax.grad(lambda w: jnp.sum(jq.dot_general_weight_only(lhs, w, numbers)))(rhs)
+  np.testing.assert_allclose(g_rhs, np.broadcast_to(lhs.sum((0, 1))[:, None, None], rhs.shape),
+                             rtol=1e-5)
+  with pytest.raises(ValueError, match="block_size"):
+    jq.dot_general_weight_only(lhs, rhs, (((1, 2), (1, 0)), ((), ())), block_size=4)
+
+
 CONV_X = np.asarray(jax.random.normal(jax.random.key(4), (3, 6, 6, 4)), np.float32)
 CONV_W = np.asarray(jax.random.normal(jax.random.key(5), (3, 3, 4, 8)), np.float32)
 CONV = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))

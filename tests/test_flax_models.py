@@ -8,6 +8,7 @@ and its length is asserted (the issue's <= 5 lines).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 
 import jax
@@ -170,6 +171,16 @@ def test_static_int8_within_half_a_point(trained, name):
   model, float_accuracy = _fresh(trained, name)
   batches = [X_TRAIN[start:start + 256] for start in range(0, 1024, 256)]
   assert abs(accuracy(static_int8(model, X_TEST, batches)) - float_accuracy) <= 0.5
+
+
+def test_weight_only_drop_in_equals_weight_only_parameters(trained):
+  """One line for a model's dense layers: the same logits as quantize_params, bit for bit."""
+  model, _ = _fresh(trained, "mlp")
+  int4 = functools.partial(jq.dot_general_weight_only, dtype=jnp.int4, block_size=16)
+  jq.replace_ops(model, dot_general=int4)
+  rule = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=16)
+  np.testing.assert_array_equal(
+      model(X_TEST), weight_only_ptq(_fresh(trained, "mlp")[0], X_TEST, rule))
 
 
 def test_layers_reached_in_each_model(trained):
