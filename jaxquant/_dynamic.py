@@ -39,8 +39,22 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, view):
   return lax.platform_dependent(view, cpu=plain_unless_nan, default=nan_aware_in_one_pass)
 
 
+def _reduce(values, initial, combine, axes, *, keepdims=False, windows=None):
+  """``values`` reduced by ``combine`` over ``axes``, or over each window of ``windows``.
+
+  ``windows`` (from :func:`_granularity.reduce_blockwise`) reduces blocks of x
+  in place, so a shard edge through a block costs a halo, not x gathered. A
+  window is never empty, so ``initial`` has nothing to add there.
+  """
+  if windows is not None:
+    return _granularity.reduce_windows(values, combine, windows)
+  reduce = {lax.min: jnp.min, lax.max: jnp.max}[combine]
+  return reduce(values, axes, keepdims=keepdims, initial=initial)
+
+
 def _min_max(
-    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
+    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False,
+    windows: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """min and max ignoring NaNs, in float32 (also for float64 x under x64).
 
@@ -49,6 +63,8 @@ def _min_max(
   also how quantizing it by a float32 scale sees it.
   """
   view = view.astype(jnp.float32)
+  inf = np.float32(np.inf)
+  low_high = functools.partial(_reduce, axes=axes, keepdims=keepdims, windows=windows)
 
   def without_nan(view):
     nan = jnp.isnan(view)
@@ -56,38 +72,44 @@ def _min_max(
 
   def nan_aware(view):
     low, high = without_nan(view)
-    return (jnp.min(low, axes, keepdims=keepdims, initial=jnp.inf),
-            jnp.max(high, axes, keepdims=keepdims, initial=-jnp.inf))
+    return low_high(low, inf, lax.min), low_high(high, -inf, lax.max)
+
+  def one_pass(view):
+    if windows is not None:
+      # JAX differentiates a windowed min or max, not a variadic pair of them.
+      return nan_aware(view)
+    return lax.reduce(
+        without_nan(view), (inf, -inf),
+        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
+    )
 
   if keepdims:
     # A kernel block is already on chip: two plain reductions, which Mosaic
     # and Triton lower.
     return nan_aware(view)
   return _ignoring_nan(
-      lambda view: (jnp.min(view, axes, initial=jnp.inf), jnp.max(view, axes, initial=-jnp.inf)),
-      nan_aware,
-      lambda view: lax.reduce(
-          without_nan(view), (np.float32(np.inf), np.float32(-np.inf)),
-          lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
-      ),
-      view,
+      lambda view: (low_high(view, inf, lax.min), low_high(view, -inf, lax.max)),
+      nan_aware, one_pass, view,
   )
 
 
 def _max_magnitude(
-    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False
+    view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False,
+    windows: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array]:
   magnitude = jnp.abs(view.astype(jnp.float32))
+  # initial=0: an empty x (or block) has max|x| = 0, hence scale 1.
+  maximum = functools.partial(
+      _reduce, initial=np.float32(0), combine=lax.max, axes=axes, keepdims=keepdims,
+      windows=windows,
+  )
 
   def nan_aware(magnitude):
-    # initial=0: an empty x (or block) has max|x| = 0, hence scale 1.
-    return jnp.max(jnp.where(jnp.isnan(magnitude), 0, magnitude), axis=axes,
-                   keepdims=keepdims, initial=0)
+    return maximum(jnp.where(jnp.isnan(magnitude), 0, magnitude))
 
   if keepdims:
     return (nan_aware(magnitude),)
-  plain = functools.partial(jnp.max, axis=axes, initial=0)
-  return (_ignoring_nan(plain, nan_aware, nan_aware, magnitude),)
+  return (_ignoring_nan(maximum, nan_aware, nan_aware, magnitude),)
 
 
 def _asymmetric_parameters(low, high, *, info):

@@ -192,33 +192,6 @@ def resolve(
   return Granularity("block-wise broadcast", param_shape, block_shape)
 
 
-def _ragged_split(x: jax.Array, granularity: Granularity):
-  """Splits a short last block off x, or returns ``None`` if every block is whole.
-
-  Only a blocked layout can be ragged, and it splits one dim.
-
-  Returns:
-    ``(d, (head, head_granularity), (tail, tail_granularity))``.
-  """
-  for d in granularity.split_dims:
-    block = granularity.block_shape[d]
-    blocks = x.shape[d] // block
-    if x.shape[d] % block:
-      def part(start, stop, param_count, length):
-        return lax.slice_in_dim(x, start, stop, axis=d), dataclasses.replace(
-            granularity,
-            param_shape=_replaced(granularity.param_shape, d, param_count),
-            block_shape=_replaced(granularity.block_shape, d, length),
-        )
-      return d, part(0, blocks * block, blocks, block), part(
-          blocks * block, x.shape[d], 1, x.shape[d] - blocks * block)
-  return None
-
-
-def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:
-  return shape[:d] + (value,) + shape[d + 1:]
-
-
 def _slice_params(params, d: int, start: int, stop: int):
   return [None if p is None else lax.slice_in_dim(p, start, stop, axis=d) for p in params]
 
@@ -234,11 +207,6 @@ def _blocked_shape(
     else:
       blocked.append(length)
   return blocked
-
-
-def _blocked_view(x: jax.Array, granularity: Granularity) -> jax.Array:
-  """x (padded to whole blocks) with each split dim reshaped to ``(blocks, block)``."""
-  return x.reshape(_blocked_shape(x.shape, granularity))
 
 
 def expand_params(
@@ -423,41 +391,71 @@ def for_reduction(
   return _blocked(x_shape, axis, block_size)
 
 
+def reduce_windows(
+    x: jax.Array, combine: Callable[[jax.Array, jax.Array], jax.Array],
+    windows: Sequence[int],
+) -> jax.Array:
+  """The min or max (``combine``: ``lax.min`` or ``lax.max``) of each window of x.
+
+  Windows do not overlap (stride = window). These two are the reductions
+  JAX differentiates (``reduce_window_min``/``max``, reached through their
+  identity as init), so the statistics keep their derivative. A short last
+  window is reduced apart from the whole ones rather than padded: given a
+  padded ``reduce_window`` over a sharded dim, XLA's SPMD partitioner
+  returned the padding alone for the last window (jax 0.10.2, 8 CPU devices).
+  """
+  windows = tuple(windows)
+  for d, (n, w) in enumerate(zip(x.shape, windows)):
+    if n % w:
+      whole = n - n % w
+      tail = reduce_windows(
+          lax.slice_in_dim(x, whole, n, axis=d), combine, _replaced(windows, d, n - whole))
+      if not whole:
+        return tail
+      head = reduce_windows(lax.slice_in_dim(x, 0, whole, axis=d), combine, windows)
+      return jnp.concatenate([head, tail], axis=d)
+  identity = np.array(np.inf if combine is lax.min else -np.inf, x.dtype)
+  return lax.reduce_window(x, identity, combine, windows, windows, "VALID")
+
+
+def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:
+  return shape[:d] + (value,) + shape[d + 1:]
+
+
 def reduce_blockwise(
-    reduction: Callable[[jax.Array, tuple[int, ...]], tuple[jax.Array, ...]],
+    reduction: Callable[..., tuple[jax.Array, ...]],
     x: jax.Array,
     granularity: Granularity,
 ) -> tuple[jax.Array, ...]:
   """Reduces x over each block, giving arrays of ``granularity.param_shape``.
 
+  Whole dims are reduced with ``reduction(x, axes)``. Blocks along a split
+  dim are windows of x, reduced in place (``reduction(x, (), windows=...)``,
+  see :func:`reduce_windows`) rather than over a ``(blocks, block)`` reshape
+  of x: a shard edge through a block then costs XLA a halo exchange of at
+  most one block, where the reshape gathered x; a short last block is padded
+  with the reduction's identity.
+
   Args:
-    reduction: ``reduction(x_view, axes)`` reduces ``x_view`` over ``axes``
-      (no kept dims) and returns a tuple of arrays.
+    reduction: ``reduction(x, axes, windows=None)`` reduces ``x`` over ``axes``
+      (no kept dims), or with ``windows`` over each window (window sizes per
+      dim, stride equal to size), and returns a tuple of arrays.
     x: the input.
     granularity: the parameters' layout (from :func:`for_reduction` or :func:`resolve`).
 
   Returns:
     The reduction's outputs, each of ``granularity.param_shape``.
   """
-  ragged = _ragged_split(x, granularity)
-  if ragged is not None:
-    d, (head, head_granularity), (tail, tail_granularity) = ragged
-    return tuple(
-        jnp.concatenate(parts, axis=d) for parts in zip(
-            reduce_blockwise(reduction, head, head_granularity),
-            reduce_blockwise(reduction, tail, tail_granularity),
-        )
-    )
-  axes, position = [], 0
-  for d in range(x.ndim):
-    if d in granularity.split_dims:
-      axes.append(position + 1)
-      position += 2
-    else:
-      if granularity.param_shape[d] == 1:
-        axes.append(position)
-      position += 1
+  split = granularity.split_dims
+  if not split:
+    axes = tuple(d for d, p in enumerate(granularity.param_shape) if p == 1)
+    return tuple(r.reshape(granularity.param_shape) for r in reduction(x, axes))
+  # A reduced dim beside the split ones is one window of its whole length.
+  windows = tuple(
+      granularity.block_shape[d] if d in split
+      else n if granularity.param_shape[d] == 1 else 1
+      for d, n in enumerate(x.shape)
+  )
   return tuple(
-      r.reshape(granularity.param_shape)
-      for r in reduction(_blocked_view(x, granularity), tuple(axes))
+      r.reshape(granularity.param_shape) for r in reduction(x, (), windows=windows)
   )

@@ -247,6 +247,14 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
         f"{' or '.join(accepted)} for dtype={info.name}", x.dtype.name, error=TypeError,
     )
   codes = to_codes(x, info)
+  # Under an explicit-sharding mesh, JAX refuses to flatten an array sharded
+  # along a minor dim; name the layout that keeps that sharding instead.
+  spec = getattr(jax.typeof(x).sharding, "spec", ())
+  _validate.check(
+      layout == "rows" or not any(tuple(spec)[1:]), function, "x's sharding",
+      "unsplit after the first dim for ONNX's flat layout, which runs across rows "
+      "(pack(x, layout='rows') keeps the sharding)", spec,
+  )
   if layout == "rows" and codes.ndim > 1:
     return along_rows(functools.partial(_pack_codes, bits=info.bits), codes)
   return _pack_codes(codes, info.bits)

@@ -6,7 +6,8 @@
 Prints one JSON object per case: ``equal`` (bit for bit the unsharded
 result), ``collectives`` (all-gathers, all-to-alls and collective-permutes
 in the compiled program whose result is as large as a shard of x or larger),
-``sharding`` (whether every x-shaped output has x's sharding).
+``halo_elements`` (the largest collective-permute), ``sharding`` (whether
+every x-shaped output has x's sharding).
 """
 
 from __future__ import annotations
@@ -33,13 +34,10 @@ _COLLECTIVE = re.compile(
     r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all|collective-permute)(?:-start)?\(")
 
 
-def data_sized_collectives(hlo: str, shard_elements: int) -> list[str]:
-  found = []
-  for dtype, dims, op in _COLLECTIVE.findall(hlo):
-    elements = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    if elements >= shard_elements:
-      found.append(f"{op} {dtype}[{dims}]")
-  return found
+def collectives(hlo: str) -> list[tuple[str, str, int]]:
+  """(op, type, elements) of each data-moving collective in a compiled program."""
+  return [(op, f"{dtype}[{dims}]", int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+          for dtype, dims, op in _COLLECTIVE.findall(hlo)]
 
 
 def layouts(columns, block_size):
@@ -84,7 +82,7 @@ def dynamic_ops(implementation):
   }
 
 
-def report(case, got, want, compiled, x_sharding, shard_elements, **extra):
+def report(case, got, want, compiled, x_sharding, shard_elements):
   got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
   equal = all(
       g.shape == w.shape and g.dtype == w.dtype and np.array_equal(
@@ -93,8 +91,12 @@ def report(case, got, want, compiled, x_sharding, shard_elements, **extra):
   sharding = all(
       g.sharding.is_equivalent_to(x_sharding, g.ndim)
       for g in got_leaves if g.shape == got_leaves[0].shape and g.ndim == 2)
-  result = dict(case=case, equal=equal, sharding=sharding, collectives=(
-      None if compiled is None else data_sized_collectives(compiled, shard_elements)), **extra)
+  found = [] if compiled is None else collectives(compiled)
+  result = dict(
+      case=case, equal=equal, sharding=sharding, shard_elements=shard_elements,
+      collectives=None if compiled is None else [
+          f"{op} {kind}" for op, kind, elements in found if elements >= shard_elements],
+      halo_elements=max([e for op, _, e in found if op == "collective-permute"], default=0))
   print(json.dumps(result), flush=True)
 
 
@@ -224,8 +226,26 @@ def shard_map_cases():
         lambda x: jq.fake_quantize_dynamic(x, **kw), x)
 
 
+def explicit_mesh_packing_cases():
+  """Under an explicit-sharding mesh the sharding is part of the type."""
+  shape, names, spec = MESHES["2d"]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  q = np.random.default_rng(3).integers(-8, 8, (ROWS, 64)).astype(jnp.int4)
+  qs = jax.device_put(q, NamedSharding(mesh, spec))
+  report("explicit 2d - pack rows - aligned", jq.pack(qs, layout="rows"),
+         jq.pack(q, layout="rows"), None, NamedSharding(mesh, spec), 0)
+  try:
+    jq.pack_int4(qs)
+    refused = False
+  except ValueError as error:
+    refused = "layout='rows'" in str(error)
+  print(json.dumps(dict(case="explicit 2d - flat pack of column shards refused",
+                        equal=refused, sharding=refused, collectives=None)), flush=True)
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   for mesh_name in MESHES:
     jit_cases(mesh_name)
   shard_map_cases()
+  explicit_mesh_packing_cases()
