@@ -96,7 +96,7 @@ def _rebinned(histogram, old_range, new_range):
   return jax.ops.segment_sum(histogram, target, num_segments=bins)
 
 
-@jax.jit
+@_bind.op(jit=True)
 def observe(state: Observer, x: ArrayLike) -> Observer:
   """``state`` updated with the values of ``x`` (NaNs ignored); jittable, pure.
 

@@ -1,5 +1,6 @@
 """The public API explains itself: real signatures, Python's keyword errors, one compile per dtype."""
 
+import dataclasses
 import inspect
 import pydoc
 
@@ -12,15 +13,24 @@ import jaxquant as jq
 from jaxquant import _linear
 
 PUBLIC = [getattr(jq, name) for name in jq.__all__]
+# The quantized-parameter containers, rules and observer states are data, not ops.
+CLASSES = [value for value in PUBLIC if inspect.isclass(value)]
 
 
-@pytest.mark.parametrize("function", PUBLIC, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("function", [f for f in PUBLIC if f not in CLASSES],
+                         ids=lambda f: f.__name__)
 def test_public_names_are_plain_functions_with_their_signature(function):
   assert inspect.isfunction(function), type(function)
   parameters = inspect.signature(function).parameters
   assert parameters and "args" not in parameters and "kwargs" not in parameters
   text = pydoc.render_doc(function, renderer=pydoc.plaintext)
   assert f"{function.__name__}(" in text and "PjitFunction" not in text
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_public_classes_are_documented_frozen_dataclasses(cls):
+  assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+  assert "Attributes:" in cls.__doc__
 
 
 @pytest.mark.parametrize("call, keyword, suggestion", [

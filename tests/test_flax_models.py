@@ -19,6 +19,9 @@ import pytest
 
 import jaxquant as jq
 
+# Training three models once per module takes several seconds.
+pytestmark = pytest.mark.slow
+
 nnx = pytest.importorskip("flax.nnx")
 datasets = pytest.importorskip("sklearn.datasets")
 model_selection = pytest.importorskip("sklearn.model_selection")

@@ -199,6 +199,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_parameters_stay_sharded():
   """Two CPU devices in a fresh process (the device count is fixed at jax's start)."""
   environment = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
