@@ -261,3 +261,22 @@ def test_qat_int2_cnn_learns_its_scales_deploys_packed(trained):
   learned = params["conv1"]["kernel"].get_value().scale
   initial = jq.quantize_params(state, rule, learnable=True)["conv1"]["kernel"].get_value().scale
   assert not np.array_equal(learned, initial)
+
+
+def test_drop_ins_as_constructor_arguments_and_einsum():
+  rngs = nnx.Rngs(0)
+  x = jnp.asarray(X_TEST[:16])
+  dense = nnx.Linear(64, 8, dot_general=jq.dot_general_dynamic_int8, rngs=rngs)
+  np.testing.assert_array_equal(
+      dense(x), jq.dot_general_dynamic_int8(x, dense.kernel[...], (((1,), (0,)), ((), ())))
+      + dense.bias[...])
+  conv = nnx.Conv(1, 4, (3, 3), conv_general_dilated=jq.conv_general_dilated_dynamic_int8,
+                  use_bias=False, rngs=rngs)
+  images = x.reshape(-1, 8, 8, 1)
+  np.testing.assert_array_equal(conv(images), jq.conv_general_dilated_dynamic_int8(
+      images, conv.kernel[...], (1, 1), [(1, 1), (1, 1)],
+      dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  einsum = nnx.Einsum("bi,io->bo", (64, 8), rngs=rngs)
+  assert jq.replace_ops(einsum, dot_general=jq.dot_general_dynamic_int8) == [""]
+  np.testing.assert_array_equal(
+      einsum(x), jq.dot_general_dynamic_int8(x, einsum.kernel[...], (((1,), (0,)), ((), ()))))
