@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,3 +137,14 @@ def test_rows_layout_round_trips_and_equals_flat_bytes_on_whole_byte_rows(dtype,
     np.testing.assert_array_equal(jq.dequantize_linear(
         rows, scale, axis=1, packed_shape=codes.shape, packed_dtype=dtype,
         implementation=implementation), want)
+
+
+def test_expanded_blocked_scale_is_fused_not_written():
+  """One loop fusion reads x and the small scale: no x-sized scale exists."""
+  x = jnp.zeros((64, 100), jnp.int8)
+  scale = jnp.ones((64, 4), jnp.float32)  # blocks of 32, the last one short
+  hlo = jax.jit(lambda x, scale: jq.dequantize_linear(x, scale, axis=1, block_size=32)).lower(
+      x, scale).compile().as_text()
+  entry = [line for line in hlo[hlo.index("ENTRY"):].splitlines() if " = " in line]
+  assert len(entry) == 3, entry  # x, scale, the fusion
+  assert "fusion(" in entry[-1] and "f32[64,100]" in entry[-1], entry
