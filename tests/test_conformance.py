@@ -15,11 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxquant as jq
+from quant_testing import FLOAT_DTYPES
+from quant_testing import QUANTIZED_DTYPES
 
 # Vendored beside this file, so a plain clone of the repository runs them.
 CASES_FILE = Path(__file__).resolve().parent / "data" / "webnn_cases.json"
@@ -35,15 +36,8 @@ if not CASES_FILE.is_file():
 _DATA = json.loads(CASES_FILE.read_text())
 CASES: list[dict[str, Any]] = [*_DATA["cases"], *_DATA["extra_cases_rank_differs"]]
 
-DTYPES = {
-    "int4": jnp.int4,
-    "uint4": jnp.uint4,
-    "int8": jnp.int8,
-    "uint8": jnp.uint8,
-    "int32": jnp.int32,
-    "float16": jnp.float16,
-    "float32": jnp.float32,
-}
+# WebNN's dataType names are NumPy's.
+DTYPES = {d.name: d for d in (*QUANTIZED_DTYPES, *FLOAT_DTYPES)}
 
 # Cases whose expected value is not bit-identical to ours, each with the
 # reason; every other case must match exactly. test_bit_exact also checks that

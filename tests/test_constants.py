@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-
-IMPLEMENTATIONS = ["xla", "pallas"]
+from quant_testing import IMPLEMENTATIONS
 
 
 def _ties(shape, scale, seed=0):

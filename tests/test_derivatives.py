@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
-
-IMPLEMENTATIONS = ["xla", "pallas"]
+from quant_testing import assert_bits_equal
+from quant_testing import dtype_name
+from quant_testing import IMPLEMENTATIONS
 
 
 def _assert_same(results):
   xla, pallas = results["xla"], results["pallas"]
   for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(pallas)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_bits_equal(b, a)
 
 
 def _per_implementation(function):
@@ -68,7 +69,7 @@ def test_packed_dequantize_scale_derivative():
   _assert_same(_per_implementation(derivatives))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=dtype_name)
 def test_quantize_derivatives(dtype):
   # Float8 outputs carry XLA's derivative of the cast; integer outputs none (float0).
   def derivatives(implementation):

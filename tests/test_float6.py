@@ -19,7 +19,7 @@ Where they differ from docs/numerics.md (R5, R10 in its "Oracle deviations"):
 NaN gives jaxquant's +max where ml_dtypes and ``onnx.reference`` give -0.0
 (R10, as R6 for float4), and ``onnx.reference`` turns -0.0 into +0.0 with an
 explicit zero point +0 (R5, as for float4). The randomized comparisons check
-those elements against the documented model of ``tests/test_oracles.py``.
+those elements against the documented model of ``tests/quant_testing.py``.
 """
 
 from __future__ import annotations
@@ -40,18 +40,28 @@ import jaxquant as jq
 from jaxquant import _dtypes
 import onnx_oracle
 from pallas_kernels.dequantize import decode_codes
-from test_linear import assert_bits_equal
-import test_oracles
-from test_oracles import BF16, F16, F32
+from quant_testing import assert_bits_equal
+from quant_testing import assert_matches_oracle
+from quant_testing import BF16
+from quant_testing import division_precision
+from quant_testing import dtype_name
+from quant_testing import examples
+from quant_testing import F16
+from quant_testing import F32
+from quant_testing import FLOAT6_DTYPES
+from quant_testing import ieee_quotient
+from quant_testing import IMPLEMENTATIONS
+from quant_testing import Layout
+from quant_testing import layouts_for
+from quant_testing import quantize_inputs
+from quant_testing import scales
+from quant_testing import shapes
+from quant_testing import spec_quantize
+from quant_testing import tensor_type
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-FLOAT6 = test_oracles.FLOAT6_DTYPES
 OPSET = 28  # the opset that added float6
-
-
-def _name(dtype):
-  return np.dtype(dtype).name
 
 
 def _codes(values):
@@ -75,7 +85,7 @@ def _random_codes(rng, shape, dtype):
 # --- the dtype table and the code arithmetic -----------------------------------------
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_table_entry_matches_ml_dtypes(dtype):
   info = _dtypes.quantized_dtype("test", "dtype", dtype)
   finfo = ml_dtypes.finfo(dtype)
@@ -92,7 +102,7 @@ def test_xla_still_has_no_float6():
     jnp.asarray(np.array([1.5], ml_dtypes.float6_e2m3fn))
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_decode_every_code(dtype):
   values = _all_values(dtype)
   expected = values.astype(np.float32)
@@ -122,7 +132,7 @@ def _encode_cases(dtype):
   return cases[(cases == 0) | (np.abs(cases) >= np.finfo(np.float32).tiny)]
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_encode_matches_ml_dtypes_cast(dtype):
   x = _encode_cases(dtype)
   codes = np.asarray(jq.quantize_linear(x, 1.0, output_dtype=dtype))
@@ -130,7 +140,7 @@ def test_encode_matches_ml_dtypes_cast(dtype):
   np.testing.assert_array_equal(codes, _codes(x.astype(dtype)))
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_ties_round_to_even_codes(dtype):
   grid = np.unique(_all_values(dtype).astype(np.float64))
   midpoints = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
@@ -143,7 +153,7 @@ def test_ties_round_to_even_codes(dtype):
   np.testing.assert_array_equal(inward, _codes(nearer_zero.astype(dtype)))
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_special_values(dtype):
   maximum = _max_code(dtype)
   x = np.array([np.nan, -np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0, -0.0], np.float32)
@@ -162,11 +172,11 @@ def test_special_values(dtype):
 # --- zero points ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_zero_point_is_added_before_rounding(dtype):
   x = np.array([0.3, -0.0, 0.0, 2.6, -100.0, np.nan], np.float32)
   zero_point = np.array(1.5, dtype)
-  expected = test_oracles._spec_quantize(
+  expected = spec_quantize(
       x.astype(np.float64), np.full(x.shape, 1.5), np.dtype(dtype))
   y = jq.quantize_linear(x, 1.0, zero_point)
   np.testing.assert_array_equal(y, _codes(expected))
@@ -182,7 +192,7 @@ def test_zero_point_is_added_before_rounding(dtype):
         jq.quantize_linear(x, 1.0, output_dtype=dtype))
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_dequantize_zero_point_forms_agree(dtype):
   values = _all_values(dtype)
   zero_point = np.array(-1.5, dtype)
@@ -209,14 +219,14 @@ def _quantize_cases(draw, dtype):
       [(F32, F32)] * 3 + [(F16, F16), (BF16, BF16)]
       + [(x, s) for x in (F32, F16, BF16) for s in (F32, F16, BF16)]))
   precision = draw(st.sampled_from([None, None, F32, F16, BF16]))
-  layout = draw(test_oracles._layouts(draw(test_oracles._shapes(max_rank=5))))
+  layout = draw(layouts_for(draw(shapes(max_rank=5))))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
   special_rate = draw(st.sampled_from([0.0, 0.05, 0.3]))
-  scale = test_oracles._scales(rng, layout.scale_shape, scale_dtype, special_rate)
+  scale = scales(rng, layout.scale_shape, scale_dtype, special_rate)
   zero_point = None
   if draw(st.booleans()):
     zero_point = _zero_points(rng, layout.scale_shape, dtype)
-  x = test_oracles._quantize_inputs(
+  x = quantize_inputs(
       rng, dtype, x_dtype, np.asarray(layout.full(scale)), None, special_rate)
   static = {"axis": layout.axis, "block_size": layout.block_size}
   if zero_point is None or draw(st.booleans()):
@@ -229,8 +239,8 @@ def _quantize_cases(draw, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
-@hypothesis.settings(max_examples=test_oracles._examples(0.75))
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
+@hypothesis.settings(max_examples=examples(0.75))
 @hypothesis.given(data=st.data())
 def test_quantize_matches_reference(dtype, data):
   x, scale, zero_point, layout, static, style = data.draw(_quantize_cases(dtype))
@@ -241,12 +251,12 @@ def test_quantize_matches_reference(dtype, data):
     actual = jax.jit(lambda x, scale: jq.quantize_linear(x, scale, zero_point, **static))(
         x, scale)
   assert actual.dtype == np.uint8
-  precision = test_oracles._division_precision(scale.dtype, static.get("precision"))
+  precision = division_precision(scale.dtype, static.get("precision"))
   scale_full = np.asarray(layout.full(scale))
   zero_point_full = None if zero_point is None else layout.full(zero_point).astype(np.float64)
   with np.errstate(all="ignore"):
-    quotient = test_oracles._quotient(x, scale_full, precision)
-    spec = test_oracles._spec_quantize(quotient, zero_point_full, np.dtype(dtype))
+    quotient = ieee_quotient(x, scale_full, precision)
+    spec = spec_quantize(quotient, zero_point_full, np.dtype(dtype))
     shifted = quotient if zero_point_full is None else quotient + zero_point_full
   deviating = np.isnan(shifted)  # R10
   if zero_point is not None:
@@ -254,14 +264,15 @@ def test_quantize_matches_reference(dtype, data):
   onnx_scale, attributes = layout.onnx(scale)
   onnx_zero_point, _ = layout.onnx(zero_point)
   if "output_dtype" in static:
-    attributes["output_dtype"] = test_oracles._tensor_type(dtype)
-  attributes["precision"] = test_oracles._tensor_type(precision)  # R8
+    attributes["output_dtype"] = tensor_type(dtype)
+  attributes["precision"] = tensor_type(precision)  # R8
   expected = onnx_oracle.run_reference(
       "QuantizeLinear", {"x": x, "scale": onnx_scale, "zero_point": onnx_zero_point},
       np.dtype(dtype), opset=OPSET, **attributes)
-  test_oracles._assert_bits(
+  assert_matches_oracle(
       np.asarray(actual).view(dtype), expected,
-      context=f"onnx.reference: quantize_linear to {_name(dtype)}, {layout}, {static}, {style}",
+      context=(f"onnx.reference: quantize_linear to {dtype_name(dtype)}, {layout}, {static}, "
+               f"{style}"),
       inputs={"x": x, "scale": scale_full, "zero_point": zero_point_full},
       deviating=deviating, spec=spec)
 
@@ -270,9 +281,9 @@ def test_quantize_matches_reference(dtype, data):
 def _dequantize_cases(draw, dtype):
   scale_dtype = draw(st.sampled_from([F32, F32, F16, BF16]))
   output_dtype = draw(st.sampled_from([None, None, F32, F16, BF16]))
-  layout = draw(test_oracles._layouts(draw(test_oracles._shapes(max_rank=5))))
+  layout = draw(layouts_for(draw(shapes(max_rank=5))))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-  scale = test_oracles._scales(rng, layout.scale_shape, scale_dtype,
+  scale = scales(rng, layout.scale_shape, scale_dtype,
                                draw(st.sampled_from([0.0, 0.05, 0.3])))
   zero_point = None
   if draw(st.booleans()):
@@ -285,8 +296,8 @@ def _dequantize_cases(draw, dtype):
                                                                      "packed"]))
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
-@hypothesis.settings(max_examples=test_oracles._examples(0.75))
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
+@hypothesis.settings(max_examples=examples(0.75))
 @hypothesis.given(data=st.data())
 def test_dequantize_matches_reference(dtype, data):
   x, scale, zero_point, layout, static, form = data.draw(_dequantize_cases(dtype))
@@ -301,13 +312,14 @@ def test_dequantize_matches_reference(dtype, data):
   onnx_scale, attributes = layout.onnx(scale)
   onnx_zero_point, _ = layout.onnx(zero_point)
   if "output_dtype" in static:
-    attributes["output_dtype"] = test_oracles._tensor_type(output_dtype)
+    attributes["output_dtype"] = tensor_type(output_dtype)
   expected = onnx_oracle.run_reference(
       "DequantizeLinear", {"x": x, "scale": onnx_scale, "zero_point": onnx_zero_point},
       output_dtype, opset=OPSET, **attributes)
-  test_oracles._assert_bits(
+  assert_matches_oracle(
       actual, expected,
-      context=f"onnx.reference: dequantize_linear of {_name(dtype)}, {layout}, {static}, {form}",
+      context=(f"onnx.reference: dequantize_linear of {dtype_name(dtype)}, {layout}, {static}, "
+               f"{form}"),
       inputs={"x": x, "scale": np.asarray(layout.full(scale))})
 
 
@@ -330,7 +342,7 @@ def _onnx_bytes(x):
   return np.frombuffer(numpy_helper.from_array(x).raw_data, np.uint8)
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("shape", [()] + [(n,) for n in range(10)] + [(2, 3), (3, 0, 2)],
                          ids=str)
 def test_pack_matches_onnx_and_round_trips(dtype, shape):
@@ -343,7 +355,7 @@ def test_pack_matches_onnx_and_round_trips(dtype, shape):
   assert unpacked.dtype == np.uint8 and unpacked.shape == shape
   np.testing.assert_array_equal(unpacked, _codes(x))
   # ONNX reads the bytes written here as the same values.
-  tensor = helper.make_tensor("x", test_oracles._tensor_type(dtype), shape,
+  tensor = helper.make_tensor("x", tensor_type(dtype), shape,
                               np.asarray(packed).tobytes(), raw=True)
   np.testing.assert_array_equal(_codes(numpy_helper.to_array(tensor)), _codes(x))
 
@@ -360,7 +372,7 @@ def test_pack_layout_by_hand():
       jq.unpack(jnp.array([0xFF, 0xFF], jnp.uint8), (2,), jnp.float6_e2m3fn), [63, 63])
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_pack_and_unpack_under_jit_and_vmap(dtype):
   codes = _codes(_random_codes(np.random.default_rng(3), (3, 8), dtype))
   pack = jax.jit(functools.partial(jq.pack, dtype=dtype))
@@ -374,7 +386,6 @@ def test_pack_and_unpack_under_jit_and_vmap(dtype):
 
 # --- dequantize_linear: NumPy values, packed bytes, codes ------------------------------------
 
-Layout = test_oracles.Layout
 LAYOUTS = {
     "per-tensor": Layout("per-tensor", (6, 10), ()),
     "per-axis 0": Layout("per-axis", (6, 10), (6,), axis=0),
@@ -389,8 +400,8 @@ def _options(layout):
   return {"axis": layout.axis, "block_size": layout.block_size}
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("name", LAYOUTS, ids=str)
 def test_dequantize_forms_agree(name, dtype, implementation):
   layout = LAYOUTS[name]
@@ -421,7 +432,7 @@ def test_dequantize_forms_agree(name, dtype, implementation):
     assert_bits_equal(y, expected)
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_dequantize_under_vmap(dtype):
   x = _random_codes(np.random.default_rng(4), (5, 12), dtype)
   scale = np.linspace(0.5, 2.0, 5).astype(np.float32)
@@ -437,14 +448,14 @@ def test_dequantize_under_vmap(dtype):
 # --- quantize_linear: XLA and Pallas, jit and vmap ---------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
-@pytest.mark.parametrize("scale_dtype", [F32, F16, BF16], ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("scale_dtype", [F32, F16, BF16], ids=dtype_name)
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "empty"], ids=str)
 def test_quantize_pallas_equals_xla(name, scale_dtype, dtype):
   layout = LAYOUTS[name]
   rng = np.random.default_rng(5)
   scale = rng.uniform(0.01, 2.0, layout.scale_shape).astype(scale_dtype)
-  x = test_oracles._quantize_inputs(rng, dtype, F32, np.asarray(layout.full(scale)), None, 0.1)
+  x = quantize_inputs(rng, dtype, F32, np.asarray(layout.full(scale)), None, 0.1)
   zero_point = _zero_points(rng, layout.scale_shape, dtype)
   kwargs = _options(layout)
   run = functools.partial(jq.quantize_linear, x, scale, zero_point, **kwargs)
@@ -460,13 +471,13 @@ def test_quantize_pallas_equals_xla(name, scale_dtype, dtype):
 # --- fake quantization ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
-@pytest.mark.parametrize("x_dtype", [F32, F16, BF16], ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("x_dtype", [F32, F16, BF16], ids=dtype_name)
 def test_fake_quantize_is_dequantize_of_quantize(dtype, x_dtype):
   rng = np.random.default_rng(6)
   scale = np.float32(0.25)
   grid_scale = np.full((64, 8), scale)
-  x = test_oracles._quantize_inputs(rng, np.dtype(dtype), x_dtype, grid_scale, None, 0.1)
+  x = quantize_inputs(rng, np.dtype(dtype), x_dtype, grid_scale, None, 0.1)
   for zero_point in (None, np.array(1.5, dtype), -2.0):
     q = jq.quantize_linear(x, scale, zero_point, output_dtype=dtype)
     expected = jq.dequantize_linear(q, scale, zero_point, packed_dtype=dtype,
@@ -474,11 +485,11 @@ def test_fake_quantize_is_dequantize_of_quantize(dtype, x_dtype):
     assert_bits_equal(jq.fake_quantize(x, scale, zero_point, dtype=dtype), expected)
 
 
-@pytest.mark.parametrize("dtype", FLOAT6, ids=_name)
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_fake_quantize_gradient_is_masked_straight_through(dtype):
   maximum = float(ml_dtypes.finfo(dtype).max)
   # Past max: the quotient rounded to float6's significand (exponent unbounded).
-  step = {"float6_e2m3fn": 0.5, "float6_e3m2fn": 4.0}[_name(dtype)]  # ulp at max
+  step = {"float6_e2m3fn": 0.5, "float6_e3m2fn": 4.0}[dtype_name(dtype)]  # ulp at max
   x = np.array([0.3, -1.0, maximum, -maximum, maximum + step / 2 - 0.01,
                 maximum + step / 2, maximum + step, np.inf, np.nan], np.float32)
   expected = np.array([1, 1, 1, 1, 1, 0, 0, 0, 0], np.float32)  # the tie rounds up to even 2**k

@@ -1,0 +1,483 @@
+"""What the test suites share: dtypes, implementations, bit equality, layouts, the documented model.
+
+Test modules import from here (``tests/`` is on ``sys.path``), never from one
+another. ONNX graphs are built and run by ``onnx_oracle``.
+
+The documented model (``spec_quantize``, ``spec_dequantize``) is
+docs/numerics.md written out in NumPy, element by element on full-shape
+operands; the oracle suites compare against it where an oracle deviates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from typing import Any
+
+import hypothesis
+from hypothesis import strategies as st
+import ml_dtypes
+import numpy as np
+from onnx import helper
+import pytest
+
+# --- dtypes: one table, named subsets of it ---------------------------------------------
+
+F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+# The float dtypes of x, scales and dequantized outputs.
+FLOAT_DTYPES = (F32, F16, BF16)
+INT32 = np.dtype(np.int32)
+FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)
+
+QUANTIZED_DTYPES = tuple(np.dtype(d) for d in (
+    ml_dtypes.int2, ml_dtypes.uint2, ml_dtypes.int4, ml_dtypes.uint4, np.int8, np.uint8,
+    np.int16, np.uint16, np.int32, np.uint32,
+    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e5m2fnuz, ml_dtypes.float4_e2m1fn,
+    ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn,
+))
+
+
+def dtype_name(dtype: Any) -> str:
+  """``dtype``'s name: the id of a test parametrized over dtypes."""
+  return np.dtype(dtype).name
+
+
+def is_integer(dtype: Any) -> bool:
+  return dtype_name(dtype).startswith(("int", "uint"))
+
+
+def bit_width(dtype: Any) -> int:
+  return (ml_dtypes.iinfo if is_integer(dtype) else ml_dtypes.finfo)(dtype).bits
+
+
+def _select(predicate) -> tuple[np.dtype, ...]:
+  return tuple(d for d in QUANTIZED_DTYPES if predicate(d))
+
+
+INTEGER_DTYPES = _select(is_integer)
+SIGNED_INTEGER_DTYPES = _select(lambda d: is_integer(d) and ml_dtypes.iinfo(d).min < 0)
+INTEGER_DTYPES_TO_16_BITS = _select(lambda d: is_integer(d) and bit_width(d) <= 16)
+INTEGER_DTYPES_32_BITS = _select(lambda d: is_integer(d) and bit_width(d) == 32)
+SUB_BYTE_INTEGER_DTYPES = _select(lambda d: is_integer(d) and bit_width(d) < 8)
+FOUR_BIT_INTEGER_DTYPES = _select(lambda d: is_integer(d) and bit_width(d) == 4)
+FLOAT8_DTYPES = _select(lambda d: d.name.startswith("float8"))
+# XLA has no float6 type: its values are NumPy arrays in tests and uint8 codes on
+# the device (jaxquant reads the NumPy arrays as codes before its jit boundary).
+FLOAT6_DTYPES = _select(lambda d: d.name.startswith("float6"))
+# Float dtypes without NaN or inf: they always saturate, NaN giving +max.
+SATURATING_FLOAT_DTYPES = (FLOAT4, *FLOAT6_DTYPES)
+TWO_BIT_DTYPES = _select(lambda d: bit_width(d) == 2)
+FOUR_BIT_DTYPES = _select(lambda d: bit_width(d) == 4)
+# What pack/unpack take besides float6 (which packs as a 6-bit stream).
+SUB_BYTE_DTYPES = TWO_BIT_DTYPES + FOUR_BIT_DTYPES
+
+# --- implementations ----------------------------------------------------------------------
+
+# The engines behind an op's ``implementation=``; Pallas runs in interpret mode on CPU.
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def examples(fraction: float, minimum: int = 5) -> int:
+  """A share of the active profile's max_examples, so "thorough" scales too."""
+  return max(minimum, int(hypothesis.settings.default.max_examples * fraction))
+
+
+def given_per_implementation(xla: float | int, pallas: float | int, **strategies):
+  """``hypothesis.given(**strategies)`` for a test parametrized over ``implementation``.
+
+  ``xla`` and ``pallas`` are each a float, the share of the profile's examples
+  (``examples(share, minimum=3)``), or an int, the count itself. Pallas gets
+  fewer: on CPU it runs in interpret mode and compiles each new shape and
+  dtype anew, several times slower than XLA.
+  """
+  def count(examples_for):
+    if isinstance(examples_for, int):
+      return examples_for
+    return examples(examples_for, minimum=3)
+
+  def decorate(test):
+    signature = inspect.signature(test)
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+      bound = signature.bind_partial(*args, **kwargs).arguments
+      implementation = bound["implementation"]
+
+      @hypothesis.settings(max_examples=count(xla if implementation == "xla" else pallas))
+      @hypothesis.given(**strategies)
+      def with_examples(**drawn):
+        test(**bound, **drawn)
+
+      with_examples()
+
+    run.__signature__ = signature.replace(parameters=[
+        p for name, p in signature.parameters.items() if name not in strategies])
+    del run.__wrapped__  # pytest reads the signature above, not test's
+    return run
+  return decorate
+
+
+# --- bit equality -----------------------------------------------------------------------------
+
+
+def bits(a: Any) -> np.ndarray:
+  """Raw storage bits, so -0.0/+0.0 and NaN payloads compare unequal."""
+  a = np.asarray(a)
+  return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def _is_float(dtype: np.dtype) -> bool:
+  return dtype.name.startswith(("float", "bfloat"))
+
+
+def assert_bits_equal(actual: Any, expected: Any, message: str = "") -> None:
+  """Equal dtypes, shapes and bits, so -0.0 != 0.0; NaN equals any NaN.
+
+  IEEE leaves a NaN's sign and payload to the hardware (x86 makes 0 * inf a
+  negative NaN), and no rule of docs/numerics.md depends on them.
+  """
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype, (message, actual.dtype, expected.dtype)
+  assert actual.shape == expected.shape, (message, actual.shape, expected.shape)
+  if not _is_float(actual.dtype):
+    np.testing.assert_array_equal(actual, expected, err_msg=message)
+    return
+  nan = np.isnan(actual.astype(np.float32))
+  np.testing.assert_array_equal(nan, np.isnan(expected.astype(np.float32)), err_msg=message)
+  np.testing.assert_array_equal(bits(actual)[~nan], bits(expected)[~nan], err_msg=message)
+
+
+def assert_matches_oracle(actual, expected, *, context, inputs, deviating=None, spec=None):
+  """Bitwise equality with an oracle; where ``deviating``, with ``spec`` instead.
+
+  ``spec`` is the documented model's value for the elements where the oracle
+  deviates from docs/numerics.md. NaN against NaN compares NaN-ness only, as
+  ``assert_bits_equal`` does. A failure lists the first differing elements with
+  their ``inputs`` (full-shape arrays, or None).
+  """
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype, context)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape, context)
+  want = bits(expected)
+  if deviating is not None and deviating.any():
+    want = np.where(deviating, bits(spec), want)
+  got = bits(actual)
+  if not is_integer(actual.dtype) and actual.dtype != FLOAT4:
+    want_value = want.view(actual.dtype).astype(np.float32)
+    both_nan = np.isnan(actual.astype(np.float32)) & np.isnan(want_value)
+    if np.any(both_nan & (got != want)):
+      hypothesis.event(f"NaN bits differ ({actual.dtype.name})")
+    got = np.where(both_nan, want, got)
+  if not np.array_equal(got, want):
+    rows = []
+    for index in map(tuple, np.argwhere(got != want)[:5]):
+      values = ", ".join(
+          f"{name}={value[index]!r}" for name, value in inputs.items() if value is not None)
+      source = "documented model" if deviating is not None and deviating[index] else "oracle"
+      rows.append(f"  at {index}: {values}, jaxquant={actual[index]!r} (bits "
+                  f"{got[index]:#x}), {source} bits {want[index]:#x}")
+    pytest.fail(f"{context}: {np.count_nonzero(got != want)} of {got.size} differ\n"
+                + "\n".join(rows))
+
+
+def tensor_type(dtype: Any) -> int:
+  """ONNX's TensorProto type of a NumPy dtype (an ``output_dtype`` or ``precision`` attribute)."""
+  return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+# --- granularity (docs/numerics.md, "Granularity") -----------------------------------------
+
+LAYOUT_KINDS = ("per-tensor", "per-axis", "blocked", "broadcast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One granularity (docs/numerics.md), as jaxquant takes it and as ONNX runs it.
+
+  Attributes:
+    kind: one of LAYOUT_KINDS.
+    x_shape: the input's shape.
+    scale_shape: the scale (and zero point) shape given to jaxquant.
+    axis: jaxquant's axis (ONNX's too, except for "broadcast").
+    block_size: jaxquant's block_size.
+  """
+
+  kind: str
+  x_shape: tuple[int, ...]
+  scale_shape: tuple[int, ...]
+  axis: int = 1
+  block_size: int = 0
+
+  @classmethod
+  def of(cls, x_shape, scale_shape, axis, block_size) -> Layout:
+    """The granularity table's reading of a scale shape, axis and block_size."""
+    x_shape, scale_shape = tuple(x_shape), tuple(scale_shape)
+    if math.prod(scale_shape) == 1:
+      return cls("per-tensor", x_shape, scale_shape)
+    if block_size:
+      return cls("blocked", x_shape, scale_shape, axis, block_size)
+    if len(scale_shape) == 1 and len(x_shape) >= 2:
+      return cls("per-axis", x_shape, scale_shape, axis)
+    return cls("broadcast", x_shape, scale_shape)
+
+  def full(self, param: np.ndarray) -> np.ndarray:
+    """``param`` (scale-shaped) repeated out to x's shape, as the granularity table defines."""
+    if self.kind == "per-tensor":
+      return np.broadcast_to(param.reshape(()), self.x_shape)
+    rank = len(self.x_shape)
+    if self.kind == "per-axis":
+      shape = [1] * rank
+      shape[self.axis] = param.size
+      return np.broadcast_to(param.reshape(shape), self.x_shape)
+    if self.kind == "blocked":
+      axis = self.axis % rank
+      repeated = np.repeat(param, self.block_size, axis=axis)
+      return np.take(repeated, np.arange(self.x_shape[axis]), axis=axis)
+    param = param.reshape((1,) * (rank - param.ndim) + param.shape)
+    for d, (p, n) in enumerate(zip(param.shape, self.x_shape)):
+      param = np.repeat(param, n // p if p else 1, axis=d)
+    return np.broadcast_to(param, self.x_shape)
+
+  def onnx(self, param: np.ndarray | None) -> tuple[np.ndarray | None, dict[str, int]]:
+    """The parameter and attributes for the ONNX node."""
+    if self.kind == "per-tensor":
+      return param, {}
+    if math.prod(self.scale_shape) == 1:
+      # O5: onnxruntime reads any one-element scale as per-tensor, then refuses
+      # block_size, and takes only () or (1,) there: jaxquant calls it per-tensor too.
+      return None if param is None else param.reshape(()), {}
+    if self.kind == "per-axis":
+      return param, {"axis": self.axis}
+    if self.kind == "blocked":
+      return param, {"axis": self.axis, "block_size": self.block_size}
+    # No ONNX mode repeats along several dims: a full-shape scale blocked by 1.
+    full = None if param is None else np.ascontiguousarray(self.full(param))
+    return full, {"axis": 0, "block_size": 1}
+
+
+def expand_scale(param, x_shape, axis, block_size) -> np.ndarray:
+  """A scale or zero point repeated out to x's shape: the slow, obvious reading of the table."""
+  param = np.asarray(param)
+  return Layout.of(x_shape, param.shape, axis, block_size).full(param)
+
+
+@st.composite
+def shapes(draw, min_rank=0, max_rank=8, max_size=512):
+  """Shapes of rank min_rank..max_rank with at most max_size elements, some empty."""
+  rank = draw(st.integers(min_rank, max_rank))
+  cap = 24 if rank <= 2 else 6
+  shape = [draw(st.integers(1, cap)) for _ in range(rank)]
+  while np.prod(shape, dtype=np.int64) > max_size:
+    largest = int(np.argmax(shape))
+    shape[largest] = max(1, shape[largest] // 2)
+  if rank and draw(st.integers(0, 9)) == 0:
+    shape[draw(st.integers(0, rank - 1))] = 0
+  return tuple(shape)
+
+
+@st.composite
+def layouts_for(draw, x_shape):
+  """A Layout of any kind for ``x_shape``, block sizes over ONNX's whole accepted range."""
+  rank = len(x_shape)
+  kind = "per-tensor" if rank == 0 else draw(st.sampled_from(LAYOUT_KINDS))
+  if kind == "per-tensor":
+    return Layout(kind, x_shape, draw(st.sampled_from([(), (1,)])))
+  axis = draw(st.integers(-rank, rank - 1))
+  length = x_shape[axis]
+  if kind == "per-axis":
+    return Layout(kind, x_shape, (length,), axis=axis)
+  if kind == "blocked":
+    # Every block_size is in ONNX's accepted range [ceil(D/S), ceil(D/(S-1)) - 1]
+    # for S = ceil(D/block_size), and every valid (S, block_size) pair is
+    # reachable; block sizes that do not divide D give a ragged last block.
+    # An empty axis has 0 blocks of any size.
+    block_size = draw(st.integers(1, length + 2))
+    blocks = -(-length // block_size)
+    scale_shape = list(x_shape)
+    scale_shape[axis] = blocks
+    return Layout(kind, x_shape, tuple(scale_shape), axis=axis, block_size=block_size)
+  scale_rank = draw(st.sampled_from(sorted({rank, *range(2, rank)})))
+  scale_shape = []
+  for n in x_shape[rank - scale_rank:]:
+    # Any scale dim divides an empty one (0 included): it repeats 0 times.
+    divisors = [p for p in range(1, n + 1) if n % p == 0] if n else [0, 1, 2, 3]
+    scale_shape.append(draw(st.sampled_from(divisors)))
+  return Layout(kind, x_shape, tuple(scale_shape))
+
+
+@st.composite
+def layouts(draw):
+  """(x shape, scale shape, axis, block_size) over every row of docs/numerics.md, "Granularity"."""
+  rank = draw(st.integers(0, 5))
+  x_shape = tuple(draw(st.lists(st.integers(0, 5), min_size=rank, max_size=rank)))
+  kind = draw(st.sampled_from(LAYOUT_KINDS))
+  if rank == 0 or kind == "per-tensor":
+    return x_shape, draw(st.sampled_from([(), (1,)])), 1, 0
+  axis = draw(st.integers(-rank, rank - 1))
+  if kind == "per-axis" and rank >= 2:
+    return x_shape, (x_shape[axis],), axis, 0
+  if kind == "blocked":
+    block_size = draw(st.integers(1, 6))
+    scale_shape = list(x_shape)
+    scale_shape[axis] = -(-x_shape[axis] // block_size)
+    return x_shape, tuple(scale_shape), axis, block_size
+  scale_shape = tuple(
+      n if n == 0 else draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+      for n in x_shape
+  )
+  # Drop leading dims now and then: the NumPy rank rule of the last row.
+  drop = draw(st.integers(0, max(0, rank - 2)))
+  return x_shape, scale_shape[drop:], axis, 0
+
+
+# Small fixed layouts for the transformation tests: (x shape, scale shape, options).
+CASES = {
+    "per-tensor": ((5, 7), (), {}),
+    "per-axis": ((5, 7), (7,), dict(axis=1)),
+    "blocked-ragged": ((5, 7), (5, 3), dict(axis=1, block_size=3)),
+    "broadcast-2d-blocks": ((6, 8), (3, 2), {}),
+}
+
+
+# --- inputs near the rounding decisions --------------------------------------------------------
+
+
+def pick(rng, choices, shape, weights=None):
+  """Elementwise choice from ``choices`` (rows stacked on axis 0)."""
+  index = rng.choice(len(choices), size=shape, p=weights)
+  return np.choose(index, choices) if np.ndim(choices[0]) else np.asarray(choices)[index]
+
+
+def without_float32_subnormals(a):
+  """``a`` with float32-subnormal values replaced by zeros of the same sign (J1)."""
+  value = a.astype(np.float32)
+  subnormal = (value != 0) & (np.abs(value) < np.finfo(np.float32).tiny)
+  return np.where(subnormal, np.copysign(0.0, value), a).astype(a.dtype)
+
+
+def scales(rng, shape, dtype, special_rate):
+  """Positive scales that make exact ties likely, plus tiny, huge and non-finite ones."""
+  info = ml_dtypes.finfo(dtype)
+  nice = rng.integers(1, 16, shape) * 2.0 ** rng.integers(-12, 5, shape)
+  wild = np.exp(rng.uniform(np.log(2.0**-20), np.log(2.0**10), shape))
+  # J1: float32 subnormals are flushed by XLA on CPU; float16's are float32 normals.
+  tiny = [float(info.tiny), float(info.smallest_subnormal)] if dtype == F16 else [2.0**-100]
+  specials = np.array([
+      *tiny, float(info.max), float(info.max) / 4, 0.0, -0.0, -0.75, np.nan, np.inf, -np.inf,
+      2.0**-30,
+  ])
+  scale = np.where(rng.random(shape) < 0.6, nice, wild)
+  scale = np.where(rng.random(shape) < special_rate, pick(rng, specials, shape), scale)
+  return without_float32_subnormals(scale.astype(dtype))
+
+
+def float_grid(qdtype):
+  """The finite values of a float quantized dtype, ascending."""
+  values = np.arange(2 ** ml_dtypes.finfo(qdtype).bits, dtype=np.uint8).view(qdtype)
+  values = values.astype(np.float64)
+  return np.unique(values[np.isfinite(values)])
+
+
+def quantize_inputs(rng, qdtype, x_dtype, scale_full, zero_point_full, special_rate):
+  """x near quantize_linear's rounding decisions for its element's scale."""
+  shape = scale_full.shape
+  scale64 = scale_full.astype(np.float64)
+  if is_integer(qdtype):
+    info = ml_dtypes.iinfo(qdtype)
+    zp = 0.0 if zero_point_full is None else zero_point_full
+    low, high = info.min - zp - 3, info.max - zp + 3
+    k = np.floor(low + rng.random(shape) * (high - low + 1))
+    # Half of the draws sit next to the saturation boundaries.
+    edge = np.where(rng.random(shape) < 0.5, low + rng.integers(0, 5, shape),
+                    high - rng.integers(0, 5, shape))
+    k = np.where(rng.random(shape) < 0.3, edge, k)
+    exact, tie = k, k + 0.5
+    spread = (info.min - zp - (high - low), info.max - zp + (high - low))
+  else:
+    grid = float_grid(qdtype)
+    index = rng.integers(0, len(grid) - 1, shape)
+    exact, tie = grid[index], (grid[index] + grid[index + 1]) / 2
+    spread = (-2.0 * grid[-1], 2.0 * grid[-1])
+  uniform = spread[0] + rng.random(shape) * (spread[1] - spread[0])
+  with np.errstate(over="ignore", invalid="ignore"):
+    tie_x = (tie * scale64).astype(x_dtype)
+    infinity = np.array(np.inf, x_dtype)
+    candidates = [
+        tie_x,
+        (exact * scale64).astype(x_dtype),
+        np.nextafter(tie_x, infinity) if x_dtype != BF16 else tie_x,
+        np.nextafter(tie_x, -infinity) if x_dtype != BF16 else tie_x,
+        (uniform * scale64).astype(x_dtype),
+    ]
+  if x_dtype == BF16:
+    # NumPy has no nextafter for bfloat16: step the bit pattern instead.
+    pattern = tie_x.view(np.uint16).astype(np.int32)
+    candidates[2] = np.where(np.isfinite(tie_x.astype(np.float32)),
+                             pattern + 1, pattern).astype(np.uint16).view(BF16)
+    candidates[3] = np.where(np.isfinite(tie_x.astype(np.float32)) & (pattern & 0x7FFF != 0),
+                             pattern - 1, pattern).astype(np.uint16).view(BF16)
+  x = pick(rng, [c.astype(x_dtype) for c in candidates], shape,
+           weights=[0.35, 0.15, 0.15, 0.15, 0.2])
+  info = ml_dtypes.finfo(x_dtype)
+  specials = np.array([
+      np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, float(info.max), -float(info.max),
+      float(info.tiny), -float(info.smallest_subnormal), 3e9, -3e9, 2.0**31, 65504.0,
+  ]).astype(x_dtype)
+  with np.errstate(over="ignore"):
+    x = np.where(rng.random(shape) < special_rate, pick(rng, specials, shape), x)
+  return without_float32_subnormals(x.astype(x_dtype))
+
+
+# --- docs/numerics.md in NumPy ------------------------------------------------------------------
+
+
+def division_precision(scale_dtype, precision):
+  """ONNX's rule: ``precision`` if given, else the scale's dtype."""
+  return np.dtype(precision) if precision is not None else np.dtype(scale_dtype)
+
+
+def ieee_quotient(x, scale, precision):
+  """x / scale as IEEE division in ``precision``, as float64 (exact)."""
+  return (x.astype(precision) / scale.astype(precision)).astype(np.float64)
+
+
+def spec_quantize(quotient, zero_point, qdtype, saturate=True):
+  """The documented quantize of an exact quotient; zero_point full-shape float64 or None."""
+  if is_integer(qdtype):
+    info = ml_dtypes.iinfo(qdtype)
+    y = np.rint(quotient)
+    if zero_point is not None:
+      y = y + zero_point
+    y = np.where(np.isnan(y), info.min, np.clip(y, info.min, info.max))
+    return y.astype(qdtype)
+  if zero_point is not None:
+    # A zero point 0 is no zero point (-0.0 stays); others add in float32.
+    shifted = quotient.astype(np.float32) + zero_point.astype(np.float32)
+    quotient = np.where(zero_point == 0, quotient, shifted)
+  if saturate or qdtype in SATURATING_FLOAT_DTYPES:
+    limit = float(ml_dtypes.finfo(qdtype).max)
+    quotient = np.clip(quotient, -limit, limit)
+  if qdtype in SATURATING_FLOAT_DTYPES:
+    # No NaN: ONNX's float4 Cast table sends it to +6 (ml_dtypes: +-0), and
+    # jaxquant sends float6 NaN to +max alike (R6, R10).
+    quotient = np.where(np.isnan(quotient), float(ml_dtypes.finfo(qdtype).max), quotient)
+  # float64 -> float32 is exact here; ml_dtypes then rounds once, IEEE-style.
+  return quotient.astype(np.float32).astype(qdtype)
+
+
+def spec_dequantize(x, scale, zero_point, output_dtype):
+  """The documented dequantize, elementwise on full-shape operands."""
+  if is_integer(x.dtype):
+    wide = x.astype(np.int64)
+    if zero_point is not None:
+      wide = wide - zero_point.astype(np.int64)
+    # int32 inputs wrap around in their own width (docs/numerics.md).
+    difference = wide.astype(np.int32).astype(np.float32)
+  else:
+    difference = x.astype(np.float32)
+    if zero_point is not None:
+      difference = difference - zero_point.astype(np.float32)
+  return (difference * scale.astype(np.float32)).astype(output_dtype)
