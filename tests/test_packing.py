@@ -33,23 +33,21 @@ import onnxruntime
 import pytest
 
 import jaxquant as jq
-from test_linear import assert_bits_equal
-
-TWO_BIT = [jnp.int2, jnp.uint2]
-FOUR_BIT = [jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
-SUB_BYTE = TWO_BIT + FOUR_BIT
-BITS = {np.dtype(d): 2 for d in TWO_BIT} | {np.dtype(d): 4 for d in FOUR_BIT}
+from quant_testing import assert_bits_equal
+from quant_testing import bit_width
+from quant_testing import dtype_name
+from quant_testing import FOUR_BIT_DTYPES
+from quant_testing import IMPLEMENTATIONS
+from quant_testing import SUB_BYTE_DTYPES
+from quant_testing import SUB_BYTE_INTEGER_DTYPES
+from quant_testing import TWO_BIT_DTYPES
 # Ranks 0-4, empty, and sizes that leave the last byte part full.
 EDGE_SHAPES = [(), (0,), (1,), (2,), (3,), (5,), (7,), (2, 3), (3, 0, 2), (4, 5), (1, 1, 9)]
 
 
-def _name(dtype):
-  return np.dtype(dtype).name
-
-
 def _random(dtype, shape, rng):
   """Every code of the dtype equally likely (float4's NaN-free codes are all values)."""
-  bits = BITS[np.dtype(dtype)]
+  bits = bit_width(dtype)
   codes = rng.integers(0, 2**bits, shape).astype(np.uint8)
   unsigned = ml_dtypes.uint2 if bits == 2 else ml_dtypes.uint4
   return codes.astype(unsigned).view(dtype)
@@ -62,7 +60,7 @@ def _codes(x):
 def _check_against_onnx(x, dtype):
   packed = jq.pack(x)
   assert packed.dtype == jnp.uint8
-  assert packed.shape == (-(-x.size // (8 // BITS[np.dtype(dtype)])),)
+  assert packed.shape == (-(-x.size // (8 // bit_width(dtype))),)
   tensor = numpy_helper.from_array(x)
   np.testing.assert_array_equal(packed, np.frombuffer(tensor.raw_data, np.uint8))
   unpacked = jq.unpack(packed, x.shape, dtype)
@@ -75,7 +73,7 @@ def _check_against_onnx(x, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=dtype_name)
 @hypothesis.given(shape=st.lists(st.integers(0, 6), max_size=4), seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=25)
 def test_pack_matches_onnx_layout_and_round_trips(dtype, shape, seed):
@@ -83,30 +81,30 @@ def test_pack_matches_onnx_layout_and_round_trips(dtype, shape, seed):
 
 
 @pytest.mark.parametrize("shape", EDGE_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=dtype_name)
 def test_pack_edge_shapes_match_onnx(dtype, shape):
   _check_against_onnx(_random(dtype, shape, np.random.default_rng(len(shape))), dtype)
 
 
-@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=dtype_name)
 def test_pack_and_unpack_under_jit_and_vmap(dtype):
   x = _random(dtype, (3, 8), np.random.default_rng(3))
   packed = jax.jit(jq.pack)(x)
   unpack = jax.jit(jq.unpack, static_argnums=(1, 2))
   np.testing.assert_array_equal(_codes(unpack(packed, (3, 8), dtype)), _codes(x))
   rows = jax.vmap(jq.pack)(x)  # 8 elements of b bits fill b whole bytes per row
-  assert rows.shape == (3, BITS[np.dtype(dtype)])
+  assert rows.shape == (3, bit_width(dtype))
   np.testing.assert_array_equal(rows.reshape(-1), packed)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=dtype_name)
 def test_codes_one_per_byte_stand_for_any_sub_byte_dtype(dtype, implementation):
   # uint8 bit patterns, one per byte, with the dtype given apart: the form
   # float6 takes in JAX, accepted for every sub-byte dtype alike.
   rng = np.random.default_rng(5)
   x = _random(dtype, (3, 8), rng)
-  codes = jnp.asarray(_codes(x) & ((1 << BITS[np.dtype(dtype)]) - 1))
+  codes = jnp.asarray(_codes(x) & ((1 << bit_width(dtype)) - 1))
   np.testing.assert_array_equal(jq.pack(codes, dtype=dtype), jq.pack(x))
   np.testing.assert_array_equal(jq.pack(jnp.asarray(x), dtype=dtype), jq.pack(x))
   scale = jnp.asarray(rng.uniform(0.01, 2.0, (3,)).astype(np.float32))
@@ -137,7 +135,7 @@ def test_unpack_ignores_the_bits_after_the_last_element():
   np.testing.assert_array_equal(jq.unpack(jnp.array([0xF1], jnp.uint8), (1,), jnp.int4), [1])
 
 
-@pytest.mark.parametrize("dtype", FOUR_BIT, ids=_name)
+@pytest.mark.parametrize("dtype", FOUR_BIT_DTYPES, ids=dtype_name)
 @hypothesis.given(shape=st.lists(st.integers(0, 5), max_size=3), seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=10)
 def test_pack_int4_is_pack_for_4_bit_dtypes(dtype, shape, seed):
@@ -251,8 +249,8 @@ def _packed_dequantize(layout, dtype, implementation, under_jit):
 
 
 @pytest.mark.parametrize("under_jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("dtype", TWO_BIT, ids=_name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", TWO_BIT_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @hypothesis.given(seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=3)
@@ -267,8 +265,8 @@ def test_packed_dequantize_equals_unpacked(layout, dtype, implementation, under_
   assert_bits_equal(dequantize(jq.pack(x), scale, zero_point), expected)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("dtype", SUB_BYTE, ids=_name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=dtype_name)
 def test_empty_packed_dequantize_keeps_its_shape(dtype, implementation):
   # The Pallas path once returned (0, 0) here: the empty bytes skipped unpacking.
   y = jq.dequantize_linear(jnp.zeros(0, jnp.uint8), 1.0, packed_shape=(0, 8),
@@ -321,7 +319,7 @@ def _onnxruntime_session(model):
       model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("dtype", [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4], ids=_name)
+@pytest.mark.parametrize("dtype", SUB_BYTE_INTEGER_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("layout", ORACLE_LAYOUTS, ids=str)
 @pytest.mark.parametrize("with_zero_point", [True, False], ids=["zero_point", "no_zero_point"])
 def test_packed_dequantize_matches_onnx_oracles(layout, dtype, with_zero_point):
@@ -338,7 +336,7 @@ def test_packed_dequantize_matches_onnx_oracles(layout, dtype, with_zero_point):
   if with_zero_point:
     # jaxquant reads the zero point from the same bytes as the oracles.
     zero_point = jq.unpack(jq.pack(zero_point), scale_shape, dtype)
-  for implementation in ("xla", "pallas"):
+  for implementation in IMPLEMENTATIONS:
     assert_bits_equal(
         jq.dequantize_linear(packed, scale, zero_point, packed_shape=shape,
                              packed_dtype=dtype, implementation=implementation, **options),
@@ -355,7 +353,7 @@ def test_onnxruntime_refuses_packed_int2_before_opset_25(opset):
     _onnxruntime_session(model)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape, scale, options", [
     ((0, 4), 0.5, {}),
     ((2, 0, 6), 0.5, {}),
@@ -385,7 +383,7 @@ _PACKED_QUANTIZE_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", SUB_BYTE + [jnp.float6_e2m3fn], ids=_name)
+@pytest.mark.parametrize("dtype", [*SUB_BYTE_DTYPES, jnp.float6_e2m3fn], ids=dtype_name)
 @pytest.mark.parametrize("implementation", [None, "pallas"])
 def test_packed_quantize_is_pack_of_quantize(dtype, implementation):
   rng = np.random.default_rng(0)
