@@ -219,6 +219,17 @@ def shard_map_cases():
     refused = True
   print(json.dumps(dict(case="shard_map 2d pallas output replicated refused",
                         equal=refused, sharding=refused, collectives=None)), flush=True)
+  # The same kernels inside shard_map lower for TPU (Mosaic) and CUDA (Triton).
+  for platform, marker in [("tpu", "tpu_custom_call"), ("cuda", "triton")]:
+    lowered = jax.jit(jax.shard_map(
+        lambda x, s: jq.quantize_linear(x, s, **kw, output_dtype=jnp.int8,
+                                        implementation="pallas"),
+        mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+    )).trace(jax.device_put(x, x_sharding), jax.device_put(s, x_sharding)).lower(
+        lowering_platforms=(platform,)).as_text()
+    found = marker in lowered.lower()
+    print(json.dumps(dict(case=f"shard_map 2d pallas quantize_linear lowers for {platform}",
+                          equal=found, sharding=found, collectives=None)), flush=True)
   check("xla fake_quantize blocked aligned", lambda x, s: jq.fake_quantize(x, s, **kw), x, s)
   check("xla fake_quantize_learnable blocked aligned",
         lambda x, s: jq.fake_quantize_learnable(x, s, **kw), x, s)

@@ -101,6 +101,8 @@ def test_explicit_mesh_packs_rows_and_refuses_flat_across_shards(cases):
 def test_inside_shard_map_with_default_options(cases):
   inside = {name: case for name, case in cases.items() if name.startswith("shard_map")}
   assert any(" pallas " in name for name in inside)
+  assert any("lowers for tpu" in name for name in inside)
+  assert any("lowers for cuda" in name for name in inside)
   assert all(case["equal"] and case["sharding"] for case in inside.values()), inside
 
 
