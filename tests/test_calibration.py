@@ -142,6 +142,7 @@ class _Model:
     return self.blocks[1](jax.nn.relu(self.blocks[0](x)))
 
 
+@pytest.mark.slow
 def test_calibrate_observes_every_layer_input_and_restores_the_model():
   model = _Model()
   originals = [model.conv.conv_general_dilated, model.blocks[0].dot_general,

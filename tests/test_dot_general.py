@@ -33,6 +33,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lhs_shape, rhs_shape, numbers", LAYOUTS)
 def test_dynamic_int8_is_int32_accumulation_then_scales(lhs_shape, rhs_shape, numbers):
   lhs = np.asarray(jax.random.normal(jax.random.key(2), lhs_shape), np.float32)

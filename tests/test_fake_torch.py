@@ -544,6 +544,7 @@ def test_fake_quantize_learnable_per_channel_matches_torch(
     _learnable_case(rng, shape, axis, name, narrow_range, scale_kind, grad_factor)
 
 
+@pytest.mark.slow
 def test_fake_quantize_dynamic_matches_torch_with_its_scale():
   rng = np.random.default_rng(15)
   x = (rng.standard_normal((30, 40)) * 3 + 1).astype(np.float32)

@@ -156,6 +156,7 @@ def test_each_flow_is_at_most_five_lines(flow):
 MODELS = ["mlp", "cnn", "transformer"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_int8_weight_only_ptq_within_half_a_point(trained, name):
   model, float_accuracy = _fresh(trained, name)
@@ -163,12 +164,14 @@ def test_int8_weight_only_ptq_within_half_a_point(trained, name):
   assert abs(accuracy(logits) - float_accuracy) <= 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_dynamic_int8_within_half_a_point(trained, name):
   model, float_accuracy = _fresh(trained, name)
   assert abs(accuracy(dynamic_int8(model, X_TEST)) - float_accuracy) <= 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_static_int8_within_half_a_point(trained, name):
   model, float_accuracy = _fresh(trained, name)
@@ -198,6 +201,7 @@ def test_layers_reached_in_each_model(trained):
       "embed", "mlp_in", "mlp_out", "out"]
 
 
+@pytest.mark.slow
 def test_int2_weight_only_recipes_on_the_issue_mlp(trained):
   """The issue's figures: int2 PTQ of a 32-unit MLP, max/qmax against qmax + 0.5 and MSE."""
   results = {}
@@ -232,6 +236,7 @@ def _qat_trainer(epochs):
   return train
 
 
+@pytest.mark.slow
 def test_qat_int8_mlp_within_half_a_point_and_deploys_bit_for_bit(trained):
   model, float_accuracy = _fresh(trained, "mlp")
   logits, params, deployed = qat(model, X_TEST, _qat_trainer(3), jq.QuantizationRule())
@@ -244,6 +249,7 @@ def test_qat_int8_mlp_within_half_a_point_and_deploys_bit_for_bit(trained):
   assert [k.values.dtype for k in kernels] == [jnp.int8, jnp.int8]
 
 
+@pytest.mark.slow
 def test_qat_int2_cnn_learns_its_scales_deploys_packed(trained):
   """int2 weights in blocks of 5 input channels (conv2's 8 end in a ragged block of 3)."""
   model, float_accuracy = _fresh(trained, "cnn")

@@ -296,6 +296,7 @@ def _dequantize_cases(draw, dtype):
                                                                      "packed"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 @hypothesis.settings(max_examples=examples(0.75))
 @hypothesis.given(data=st.data())

@@ -34,6 +34,7 @@ def _matmul_cases(seed, count):
     yield rng, _integers(rng, a_dtype, a_shape), _integers(rng, b_dtype, b_shape)
 
 
+@pytest.mark.slow
 def test_matmul_integer_matches_both_oracles():
   for rng, a, b in _matmul_cases(0, 16):
     a_zero_point = _integers(rng, a.dtype, ())
@@ -192,6 +193,7 @@ def test_qlinear_matmul_per_row_a():
   np.testing.assert_array_equal(got, np.clip(np.rint(value) + 3, -128, 127).astype(np.int8))
 
 
+@pytest.mark.slow
 def test_call_styles():
   """Eager, jit with traced and closed-over weights, vmap, export with a symbolic batch."""
   rng = np.random.default_rng(5)
@@ -415,6 +417,7 @@ def test_matmul_nbits_and_qlinear_matmul_export_with_a_symbolic_batch():
   np.testing.assert_array_equal(jax.vmap(qlinear)(a[:, None])[:, 0], qlinear(a))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_matmul_nbits_from_onnxruntime_quantizer(symmetric):
   """A MatMul model quantized by onnxruntime.quantization's MatMulNBitsQuantizer."""

@@ -135,6 +135,7 @@ def test_unpack_ignores_the_bits_after_the_last_element():
   np.testing.assert_array_equal(jq.unpack(jnp.array([0xF1], jnp.uint8), (1,), jnp.int4), [1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", FOUR_BIT_DTYPES, ids=dtype_name)
 @hypothesis.given(shape=st.lists(st.integers(0, 5), max_size=3), seed=st.integers(0, 2**32 - 1))
 @hypothesis.settings(max_examples=10)
@@ -383,6 +384,7 @@ _PACKED_QUANTIZE_LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [*SUB_BYTE_DTYPES, jnp.float6_e2m3fn], ids=dtype_name)
 @pytest.mark.parametrize("implementation", [None, "pallas"])
 def test_packed_quantize_is_pack_of_quantize(dtype, implementation):

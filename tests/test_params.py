@@ -124,6 +124,7 @@ def test_grad_reaches_the_float_parts():
   assert grads.scale.shape == fake.scale.shape and np.any(grads.scale != 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [jq.QuantizationRule(),
                                   jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32),
                                   jq.QuantizationRule(dtype=jnp.int2, method="qmax_plus_half")])

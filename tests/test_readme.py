@@ -4,6 +4,8 @@ import pathlib
 import re
 import tomllib
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -15,6 +17,7 @@ def test_readme_opens_with_the_two_commands():
   assert 'pip install -e ".[test]" && pytest' in ci
 
 
+@pytest.mark.slow
 def test_readme_python_examples_run():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
   assert len(blocks) == 2

@@ -37,6 +37,7 @@ def test_qmax_plus_half_and_clip_ratio():
   np.testing.assert_array_equal(scale, np.abs(W).max(axis=1) * np.float32(0.5) / np.float32(7))
 
 
+@pytest.mark.slow
 def test_minmax_is_dynamic_quantization_s_parameters():
   for dtype in (jnp.uint8, jnp.int8, jnp.int4):
     scale, zero_point = jq.choose_qparams(W, dtype, axis=1, block_size=16, method="minmax")
@@ -70,6 +71,7 @@ def test_mse_picks_the_least_squared_error_ratio_per_block():
   assert max(chosen) > 0  # some row clips: the search did something
 
 
+@pytest.mark.slow
 def test_mse_error_never_above_absmax():
   for dtype in (jnp.int2, jnp.int4, jnp.float8_e4m3fn, jnp.float4_e2m1fn):
     def error(method):

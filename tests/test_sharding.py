@@ -45,6 +45,7 @@ def _cuts_bytes(name: str) -> bool:
   return "packed rows" in name and "ragged" in name and " 1d " in name
 
 
+@pytest.mark.slow
 def test_every_case_ran(cases):
   ops = {name.split()[3] for name in cases if name.startswith("jit")}
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
