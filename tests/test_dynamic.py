@@ -5,11 +5,11 @@ written here). Everything ONNX has no operator for (int8, which is DirectML's,
 the other integer dtypes, per-axis, per-block and symmetric) is checked against
 the documented formula (docs/numerics.md, "dynamic_quantize_linear") written out
 below in float32 NumPy, one slice at a time. The oracle deviations D1-D4 are listed
-there too.
+there too. Each check runs on every implementation (``quant_testing.IMPLEMENTATIONS``;
+the randomized ones draw fewer examples for Pallas, which runs in interpret mode on CPU).
 """
 
 import functools
-import re
 
 import hypothesis
 from hypothesis import strategies as st
@@ -23,19 +23,20 @@ import onnxruntime
 import pytest
 
 import jaxquant as jq
-from test_linear import assert_bits_equal
+from quant_testing import assert_bits_equal
+from quant_testing import dtype_name
+from quant_testing import expand_scale
+from quant_testing import given_per_implementation
+from quant_testing import IMPLEMENTATIONS
+from quant_testing import INTEGER_DTYPES
+from quant_testing import INTEGER_DTYPES_32_BITS
+from quant_testing import INTEGER_DTYPES_TO_16_BITS
+from quant_testing import SIGNED_INTEGER_DTYPES
 
-INTEGER_DTYPES = [jnp.uint8, jnp.int8, jnp.int2, jnp.uint2, jnp.int4, jnp.uint4,
-                  jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
-SIGNED_DTYPES = [d for d in INTEGER_DTYPES if jnp.iinfo(d).min < 0]
 # 32-bit codes are not exactly representable in float32, so a float32 round
 # trip cannot be within scale / 2 there.
-ROUND_TRIP_DTYPES = [d for d in INTEGER_DTYPES if jnp.iinfo(d).bits <= 16]
+ROUND_TRIP_DTYPES = INTEGER_DTYPES_TO_16_BITS
 TINY = np.finfo(np.float32).tiny
-
-
-def _name(dtype):
-  return np.dtype(dtype).name
 
 
 # --- the documented formula in float32 NumPy --------------------------------------------
@@ -99,20 +100,6 @@ def reference_dynamic(x, dtype=jnp.uint8, axis=None, block_size=0, symmetric=Fal
       y[block] = _reference_quantize(moved[block], scale, zero_point, dtype)
   return (np.moveaxis(y, -1, axis).astype(dtype), np.moveaxis(scales, -1, axis),
           np.moveaxis(zero_points, -1, axis).astype(dtype))
-
-
-def expand_to_x(parameter, x_shape, axis, block_size):
-  """A scale or zero point repeated out to x's shape, one value per element."""
-  parameter = np.asarray(parameter)
-  if axis is None:
-    return np.broadcast_to(parameter, x_shape)
-  axis %= len(x_shape)
-  if block_size == 0:
-    shape = [1] * len(x_shape)
-    shape[axis] = -1
-    return np.broadcast_to(parameter.reshape(shape), x_shape)
-  repeated = np.repeat(parameter, block_size, axis=axis)
-  return repeated.take(range(x_shape[axis]), axis=axis)
 
 
 # --- the ONNX oracles, with DynamicQuantizeLinear's three outputs ------------------------
@@ -214,21 +201,24 @@ def random_values(kind, shape, seed):
 # --- uint8 per tensor: ONNX DynamicQuantizeLinear -----------------------------------------
 
 
-def test_onnx_documentation_example():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_onnx_documentation_example(implementation):
   # The reciprocal trap (docs/numerics.md): a multiply by 1/scale gives 25 for -2.5 instead of 26.
   x = np.array([0, 2, -3, -2.5, 1.34, 0.5], np.float32)
   expected = (np.array([153, 255, 0, 26, 221, 179], np.uint8), np.float32(0.0196078438),
               np.uint8(153))
-  assert_outputs_equal(jq.dynamic_quantize_linear(x), expected)
+  assert_outputs_equal(jq.dynamic_quantize_linear(x, implementation=implementation), expected)
   assert_outputs_equal(run_onnxruntime(x), expected)
   assert_outputs_equal(run_reference(x), expected)
 
 
 @pytest.mark.slow
-@hypothesis.given(shape=shapes(), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
-def test_uint8_matches_onnxruntime_and_onnx_reference(shape, kind, seed):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(1.0, 0.1, shape=shapes(), kind=st.sampled_from(KINDS),
+                          seed=st.integers(0, 2**32 - 1))
+def test_uint8_matches_onnxruntime_and_onnx_reference(implementation, shape, kind, seed):
   x = random_values(kind, shape, seed)
-  actual = jq.dynamic_quantize_linear(x)
+  actual = jq.dynamic_quantize_linear(x, implementation=implementation)
   assert_outputs_equal(actual, run_onnxruntime(x))
   # onnx.reference cannot reduce an empty x and takes scale 1/255 for all
   # zeros (test_onnx_reference_deviations); everywhere else it must agree.
@@ -237,7 +227,8 @@ def test_uint8_matches_onnxruntime_and_onnx_reference(shape, kind, seed):
   assert_outputs_equal(actual, reference_dynamic(x))
 
 
-def test_one_ulp_scales_match_onnxruntime():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_one_ulp_scales_match_onnxruntime(implementation):
   # Ranges where (hi - lo) * (1/255) and (hi - lo) / 255 differ in the last bit.
   rng = np.random.default_rng(7)
   ranges = rng.uniform(0.1, 100, 1000).astype(np.float32)
@@ -245,33 +236,39 @@ def test_one_ulp_scales_match_onnxruntime():
   assert ranges.size > 100
   for value in ranges[:5]:
     x = np.array([0.0, value], np.float32)
-    assert_outputs_equal(jq.dynamic_quantize_linear(x), run_onnxruntime(x))
+    assert_outputs_equal(
+        jq.dynamic_quantize_linear(x, implementation=implementation),
+        run_onnxruntime(x))
 
 
 # --- degenerate inputs ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=_name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("shape", [(5,), (0,), (2, 0, 3), ()], ids=str)
-def test_all_zeros_and_empty(dtype, shape):
+def test_all_zeros_and_empty(dtype, shape, implementation):
   x = np.zeros(shape, np.float32)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation)
   qmin = jnp.iinfo(dtype).min
   assert_bits_equal(scale, np.float32(1.0))
   assert_bits_equal(zero_point, np.asarray(qmin).astype(dtype))
   assert_bits_equal(y, np.full(shape, qmin).astype(dtype))
-  assert_bits_equal(jq.dequantize_linear(y, scale, zero_point), np.zeros(shape, np.float32))
+  assert_bits_equal(
+      jq.dequantize_linear(y, scale, zero_point, implementation=implementation),
+      np.zeros(shape, np.float32))
   if dtype == jnp.uint8:
     assert_outputs_equal((y, scale, zero_point), run_onnxruntime(x))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("x", [
     [1.0, np.nan, -2.0], [np.nan, 0.5, 3.0, -1.0], [np.nan, np.nan, np.nan], [np.nan],
     [[np.nan, 4.0], [-1.0, np.nan]],
 ], ids=str)
-def test_nan_is_ignored_by_min_max_and_quantizes_to_qmin(x):
+def test_nan_is_ignored_by_min_max_and_quantizes_to_qmin(x, implementation):
   x = np.array(x, np.float32)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, implementation=implementation)
   finite = x[~np.isnan(x)]
   expected = reference_dynamic(np.where(np.isnan(x), finite[0] if finite.size else 0, x))
   assert_bits_equal(scale, expected[1])
@@ -281,21 +278,23 @@ def test_nan_is_ignored_by_min_max_and_quantizes_to_qmin(x):
   assert_outputs_equal((y, scale, zero_point), run_onnxruntime(x))
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=_name)
-def test_nan_other_dtypes(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+def test_nan_other_dtypes(dtype, implementation):
   x = np.array([np.nan, 2.0, -1.0, np.nan, 0.25], np.float32)
-  actual = jq.dynamic_quantize_linear(x, dtype=dtype)
+  actual = jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation)
   assert np.asarray(actual[0])[0] == jnp.iinfo(dtype).min
   assert_outputs_equal(actual, reference_dynamic(x, dtype))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("x", [
     [1.0, np.inf], [-np.inf, 1.0], [np.inf, -np.inf], [np.inf, np.nan, 2.0],
     [3.4e38, -3.4e38], [-3.4e38, 1e38],
 ], ids=str)
-def test_infinities_give_an_infinite_scale(x):
+def test_infinities_give_an_infinite_scale(x, implementation):
   x = np.array(x, np.float32)
-  actual = jq.dynamic_quantize_linear(x)
+  actual = jq.dynamic_quantize_linear(x, implementation=implementation)
   assert np.isinf(actual[1])
   assert_outputs_equal(actual, run_onnxruntime(x))
   assert_outputs_equal(actual, reference_dynamic(x))
@@ -303,14 +302,18 @@ def test_infinities_give_an_infinite_scale(x):
     assert_outputs_equal(actual, run_reference(x))
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=_name)
-def test_infinities_other_dtypes(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+def test_infinities_other_dtypes(dtype, implementation):
   for x in ([1.0, np.inf, -2.0], [-np.inf, 1.0], [np.inf, -np.inf, 0.0]):
     x = np.array(x, np.float32)
-    assert_outputs_equal(jq.dynamic_quantize_linear(x, dtype=dtype), reference_dynamic(x, dtype))
+    assert_outputs_equal(
+        jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation),
+        reference_dynamic(x, dtype))
 
 
-def test_onnx_reference_deviations():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_onnx_reference_deviations(implementation):
   """D1-D3: onnx.reference departs from the documented formula where onnxruntime does not.
 
   onnx/reference/ops/op_dynamic_quantize_linear.py: np.max / np.min propagate
@@ -320,7 +323,9 @@ def test_onnx_reference_deviations():
   zeros = np.zeros(4, np.float32)
   assert run_reference(zeros)[1] == np.float32(1) / np.float32(255)
   assert run_onnxruntime(zeros)[1] == 1.0
-  assert_outputs_equal(jq.dynamic_quantize_linear(zeros), run_onnxruntime(zeros))
+  assert_outputs_equal(
+      jq.dynamic_quantize_linear(zeros, implementation=implementation),
+      run_onnxruntime(zeros))
 
   with pytest.raises(Exception, match="zero-size array"):
     run_reference(np.zeros(0, np.float32))
@@ -328,10 +333,13 @@ def test_onnx_reference_deviations():
   with_nan = np.array([1.0, np.nan, -2.0], np.float32)
   assert np.isnan(run_reference(with_nan)[1])
   assert run_onnxruntime(with_nan)[1] == np.float32(3) / np.float32(255)
-  assert_outputs_equal(jq.dynamic_quantize_linear(with_nan), run_onnxruntime(with_nan))
+  assert_outputs_equal(
+      jq.dynamic_quantize_linear(with_nan, implementation=implementation),
+      run_onnxruntime(with_nan))
 
 
-def test_onnxruntime_nan_deviation():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_onnxruntime_nan_deviation(implementation):
   """onnxruntime ignores a NaN in some positions and not in others.
 
   Its vectorised min/max (MLAS) drops a NaN at the front but keeps one at the
@@ -340,9 +348,13 @@ def test_onnxruntime_nan_deviation():
   """
   x = np.array([0.5, -1.0, 2.0, 0.25, -0.75, 1.5, 1.0, np.nan], np.float32)
   assert np.isnan(run_onnxruntime(x)[1])
-  assert_outputs_equal(jq.dynamic_quantize_linear(x), reference_dynamic(x))
+  assert_outputs_equal(
+      jq.dynamic_quantize_linear(x, implementation=implementation),
+      reference_dynamic(x))
   # The same values with the NaN first: onnxruntime ignores it too.
-  assert_outputs_equal(jq.dynamic_quantize_linear(np.roll(x, 1)), run_onnxruntime(np.roll(x, 1)))
+  assert_outputs_equal(
+      jq.dynamic_quantize_linear(np.roll(x, 1), implementation=implementation),
+      run_onnxruntime(np.roll(x, 1)))
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -353,11 +365,12 @@ def test_subnormal_range():
   assert_outputs_equal(jq.dynamic_quantize_linear(x), run_onnxruntime(x))
 
 
-@pytest.mark.parametrize("x_dtype", [jnp.float16, jnp.bfloat16], ids=_name)
-def test_half_precision_x_is_quantized_in_float32(x_dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("x_dtype", [jnp.float16, jnp.bfloat16], ids=dtype_name)
+def test_half_precision_x_is_quantized_in_float32(x_dtype, implementation):
   rng = np.random.default_rng(12)
   x = rng.standard_normal((5, 9)).astype(x_dtype)
-  actual = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0)
+  actual = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0, implementation=implementation)
   assert actual[1].dtype == jnp.float32
   assert_outputs_equal(actual, reference_dynamic(x.astype(np.float32), jnp.int8, axis=0))
 
@@ -365,32 +378,36 @@ def test_half_precision_x_is_quantized_in_float32(x_dtype):
 # --- other integer dtypes: int8 is DirectML's; ONNX has no operator for them -----------------
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=_name)
-@hypothesis.settings(max_examples=8)
-@hypothesis.given(shape=shapes(max_rank=4), kind=st.sampled_from(KINDS),
-                  seed=st.integers(0, 2**32 - 1))
-def test_integer_dtypes_match_spec_formula(dtype, shape, kind, seed):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+@given_per_implementation(8, 2, shape=shapes(max_rank=4), kind=st.sampled_from(KINDS),
+                          seed=st.integers(0, 2**32 - 1))
+def test_integer_dtypes_match_spec_formula(dtype, implementation, shape, kind, seed):
   # No ONNX operator takes DynamicQuantizeLinear to int8 (DirectML's
   # DML_OPERATOR_DYNAMIC_QUANTIZE_LINEAR does), so the oracle is the documented formula.
   x = random_values(kind, shape, seed)
-  assert_outputs_equal(jq.dynamic_quantize_linear(x, dtype=dtype), reference_dynamic(x, dtype))
+  assert_outputs_equal(jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation),
+                       reference_dynamic(x, dtype))
 
 
-def test_int8_directml_example():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_int8_directml_example(implementation):
   # The ONNX example with int8: qmin = -128, so every code moves down by 128.
   x = np.array([0, 2, -3, -2.5, 1.34, 0.5], np.float32)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8,
+                                                    implementation=implementation)
   assert y.tolist() == [25, 127, -128, -102, 93, 51]
   assert_bits_equal(scale, np.float32(0.0196078438))
   assert_bits_equal(zero_point, np.int8(25))
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32], ids=_name)
-def test_32bit_zero_point_saturates(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES_32_BITS, ids=dtype_name)
+def test_32bit_zero_point_saturates(dtype, implementation):
   # All negative: qmin - lo / scale is qmax, which float32 rounds up past the
   # type's maximum; the zero point must saturate, not wrap.
   x = np.array([-3.0, -1.0, -2.5], np.float32)
-  actual = jq.dynamic_quantize_linear(x, dtype=dtype)
+  actual = jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation)
   assert int(actual[2]) == jnp.iinfo(dtype).max
   assert_outputs_equal(actual, reference_dynamic(x, dtype))
 
@@ -407,7 +424,7 @@ def granularities(draw):
   axis = None if kind == "per-tensor" else draw(st.integers(-rank, rank - 1))
   block_size = draw(st.integers(1, 7)) if kind == "blocked" else 0
   symmetric = draw(st.booleans())
-  dtype = draw(st.sampled_from(SIGNED_DTYPES if symmetric else INTEGER_DTYPES))
+  dtype = draw(st.sampled_from(SIGNED_INTEGER_DTYPES if symmetric else INTEGER_DTYPES))
   return shape, axis, block_size, dtype, symmetric
 
 
@@ -421,14 +438,15 @@ def _expected_parameter_shape(shape, axis, block_size):
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=40)
-@hypothesis.given(layout=granularities(), kind=st.sampled_from(KINDS[:-1]),
-                  seed=st.integers(0, 2**32 - 1))
-def test_granularity_matches_slice_by_slice_reference(layout, kind, seed):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(40, 8, layout=granularities(), kind=st.sampled_from(KINDS[:-1]),
+                          seed=st.integers(0, 2**32 - 1))
+def test_granularity_matches_slice_by_slice_reference(implementation, layout, kind, seed):
   shape, axis, block_size, dtype, symmetric = layout
   x = random_values(kind, shape, seed)
   kwargs = dict(axis=axis, block_size=block_size, symmetric=symmetric)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, **kwargs)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation,
+                                                    **kwargs)
   parameter_shape = _expected_parameter_shape(shape, axis, block_size)
   assert scale.shape == zero_point.shape == parameter_shape
   assert scale.dtype == jnp.float32 and zero_point.dtype == dtype and y.shape == shape
@@ -438,21 +456,21 @@ def test_granularity_matches_slice_by_slice_reference(layout, kind, seed):
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=40)
-@hypothesis.given(layout=granularities(), seed=st.integers(0, 2**32 - 1),
-                  magnitude=st.integers(-20, 20))
-def test_round_trip_within_half_a_step(layout, seed, magnitude):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(40, 8, layout=granularities(), seed=st.integers(0, 2**32 - 1),
+                          magnitude=st.integers(-20, 20))
+def test_round_trip_within_half_a_step(implementation, layout, seed, magnitude):
   shape, axis, block_size, dtype, symmetric = layout
   hypothesis.assume(dtype in ROUND_TRIP_DTYPES)
   rng = np.random.default_rng(seed)
   x = (rng.standard_normal(shape) * 10.0**magnitude).astype(np.float32)
   kwargs = dict(axis=axis, block_size=block_size)
   y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, symmetric=symmetric,
-                                                    **kwargs)
+                                                    implementation=implementation, **kwargs)
   # dequantize_linear's axis defaults to 1; per tensor the scale has no axis.
-  back = jq.dequantize_linear(y, scale, zero_point,
+  back = jq.dequantize_linear(y, scale, zero_point, implementation=implementation,
                               **(kwargs if axis is not None else {}))
-  full_scale = expand_to_x(scale, shape, axis, block_size)
+  full_scale = expand_scale(scale, shape, axis, block_size)
   info = jnp.iinfo(dtype)
   # Half a step, plus float32 rounding of x / scale, of the scale and of the product.
   slack = (info.max - info.min) * 2.0**-20
@@ -460,34 +478,41 @@ def test_round_trip_within_half_a_step(layout, seed, magnitude):
   assert np.all(error <= full_scale * (0.5 + slack)), np.max(error / full_scale)
 
 
-@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int4], ids=_name)
-def test_rank1_per_axis_round_trip(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int4], ids=dtype_name)
+def test_rank1_per_axis_round_trip(dtype, implementation):
   # For rank-1 x a 1-D scale is the same-rank (element-wise) layout (docs/numerics.md).
   x = np.array([0.3, -1.7, 2.9, 0.0, -0.0, 5.5, -2.25], np.float32)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, axis=0)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, axis=0,
+                                                    implementation=implementation)
   assert scale.shape == zero_point.shape == (7,)
   assert_outputs_equal((y, scale, zero_point), reference_dynamic(x, dtype, axis=0))
-  back = jq.dequantize_linear(y, scale, zero_point, axis=0)
+  back = jq.dequantize_linear(y, scale, zero_point, axis=0, implementation=implementation)
   assert np.all(np.abs(np.asarray(back) - x) <= np.asarray(scale) / 2)
 
 
-def test_blocked_ragged_last_block():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_blocked_ragged_last_block(implementation):
   rng = np.random.default_rng(11)
   x = rng.standard_normal((3, 10)).astype(np.float32)
   x[:, 8:] *= 100  # the short last block (2 of 4) gets its own, larger scale
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=1, block_size=4)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=1, block_size=4,
+                                                    implementation=implementation)
   assert scale.shape == zero_point.shape == (3, 3)
   assert_outputs_equal((y, scale, zero_point),
                        reference_dynamic(x, jnp.int8, axis=1, block_size=4))
   assert np.all(np.asarray(scale)[:, 2] > np.asarray(scale)[:, 1])
-  back = jq.dequantize_linear(y, scale, zero_point, axis=1, block_size=4)
-  assert np.all(np.abs(np.asarray(back) - x) <= expand_to_x(scale, x.shape, 1, 4) / 2)
+  back = jq.dequantize_linear(y, scale, zero_point, axis=1, block_size=4,
+                              implementation=implementation)
+  assert np.all(np.abs(np.asarray(back) - x) <= expand_scale(scale, x.shape, 1, 4) / 2)
 
 
-@pytest.mark.parametrize("dtype", SIGNED_DTYPES, ids=_name)
-def test_symmetric(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", SIGNED_INTEGER_DTYPES, ids=dtype_name)
+def test_symmetric(dtype, implementation):
   x = np.array([[0.5, -3.0, 1.0], [np.nan, 0.0, 0.0], [2.0, 1.0, -np.inf]], np.float32)
-  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, axis=0, symmetric=True)
+  y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, axis=0, symmetric=True,
+                                                    implementation=implementation)
   qmax = np.float32(jnp.iinfo(dtype).max)
   # Rows: max|x| = 3; all zero or NaN (scale 1); an infinity (scale inf).
   assert_bits_equal(scale, np.array([np.float32(3) / qmax, 1, np.inf], np.float32))
@@ -509,10 +534,12 @@ def test_symmetric(dtype):
     dict(axis=0, dtype=jnp.int8, symmetric=True),
     dict(axis=1, block_size=5, dtype=jnp.int8, symmetric=True),
 ], ids=str)
-def test_one_nan_changes_only_its_own_slice(kwargs):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_one_nan_changes_only_its_own_slice(kwargs, implementation):
   rng = np.random.default_rng(5)
   x = rng.standard_normal((6, 48)).astype(np.float32)
-  quantize = jax.jit(functools.partial(jq.dynamic_quantize_linear, **kwargs))
+  quantize = jax.jit(functools.partial(jq.dynamic_quantize_linear, implementation=implementation,
+                                       **kwargs))
   assert_outputs_equal(quantize(x), reference_dynamic(x, **kwargs))
   x[2, 7] = np.nan  # the same compiled program, now with a NaN
   assert_outputs_equal(quantize(x), reference_dynamic(x, **kwargs))
@@ -524,12 +551,14 @@ def test_one_nan_changes_only_its_own_slice(kwargs):
 
 
 @pytest.mark.slow
-def test_jit_vmap_and_no_retrace():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_vmap_and_no_retrace(implementation):
   rng = np.random.default_rng(3)
   batch = rng.standard_normal((4, 6, 10)).astype(np.float32)
   for kwargs in [{}, dict(axis=1), dict(axis=1, block_size=4),
                  dict(axis=0, dtype=jnp.int8, symmetric=True)]:
-    quantize = functools.partial(jq.dynamic_quantize_linear, **kwargs)
+    quantize = functools.partial(jq.dynamic_quantize_linear, implementation=implementation,
+                                 **kwargs)
     mapped = jax.vmap(quantize)(batch)
     jitted = jax.jit(quantize)
     for i in range(batch.shape[0]):
@@ -542,15 +571,17 @@ def test_jit_vmap_and_no_retrace():
   @jax.jit
   def model(x):
     traces.append(None)
-    y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=1, block_size=4)
-    return jq.dequantize_linear(y, scale, zero_point, axis=1, block_size=4)
+    y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=1, block_size=4,
+                                                      implementation=implementation)
+    return jq.dequantize_linear(y, scale, zero_point, axis=1, block_size=4,
+                                implementation=implementation)
 
   for i in range(3):
     model(batch[i])
   assert len(traces) == 1
   before = jq.dynamic_quantize_linear._cache_size()
   for i in range(3):
-    jq.dynamic_quantize_linear(batch[i] * (i + 1), axis=0)
+    jq.dynamic_quantize_linear(batch[i] * (i + 1), axis=0, implementation=implementation)
   assert jq.dynamic_quantize_linear._cache_size() <= before + 1
 
 
@@ -567,19 +598,19 @@ def test_symmetric_uint8_is_a_value_error():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn],
-                         ids=_name)
+                         ids=dtype_name)
 def test_float8_dtype_is_a_type_error(dtype):
   with pytest.raises(TypeError, match=r"dtype must be an integer quantized dtype, got float[48]_"):
     jq.dynamic_quantize_linear(X, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.int64], ids=_name)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.int64], ids=dtype_name)
 def test_non_quantized_dtype_is_a_type_error(dtype):
   with pytest.raises(TypeError, match=r"dtype must be one of the quantized dtypes"):
     jq.dynamic_quantize_linear(X, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.uint8, np.bool_], ids=_name)
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.uint8, np.bool_], ids=dtype_name)
 def test_integer_x_is_a_type_error(dtype):
   with pytest.raises(TypeError, match=r"x\.dtype must be a float dtype.*got (int|uint|bool)"):
     jq.dynamic_quantize_linear(X.astype(dtype))
@@ -608,7 +639,8 @@ def test_negative_block_size():
     jq.dynamic_quantize_linear(X, axis=1, block_size=-2)
 
 
-def test_closed_over_constant_keeps_true_division():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_closed_over_constant_keeps_true_division(implementation):
   # A quotient of exactly -127.5 became -127.49999 when x was closed over (XLA
   # folded the division's NaN guard and multiplied by the reciprocal); found by
   # benchmarks/kernels.py, and this is the data that showed it.
@@ -616,22 +648,24 @@ def test_closed_over_constant_keeps_true_division():
   for _ in range(3):  # the draws before x in benchmarks/kernels.py's first version
     rng.integers(-8, 128, (16, 4096))
   x = jnp.asarray(rng.normal(size=(16, 4096)), jnp.bfloat16)
-  eager = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0)
-  folded = jax.jit(lambda: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0))()
+  eager = jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0, implementation=implementation)
+  folded = jax.jit(lambda: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0,
+                                                      implementation=implementation))()
   np.testing.assert_array_equal(np.asarray(folded[0]), np.asarray(eager[0]))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("axis", [None, 1])
-def test_empty_symmetric_gives_scale_one(axis):
+def test_empty_symmetric_gives_scale_one(axis, implementation):
   # max|x| of nothing is 0: found by the fake_quantize_dynamic property test.
   y, scale, zero_point = jq.dynamic_quantize_linear(
-      jnp.zeros((0, 3)), dtype=jnp.int8, symmetric=True, axis=axis)
+      jnp.zeros((0, 3)), dtype=jnp.int8, symmetric=True, axis=axis, implementation=implementation)
   assert y.shape == (0, 3)
   np.testing.assert_array_equal(scale, np.ones(() if axis is None else 3))
   np.testing.assert_array_equal(zero_point, np.zeros(() if axis is None else 3))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("options", [{}, {"axis": 0}, {"axis": 1, "block_size": 4},
                                      {"axis": 0, "dtype": jnp.int8, "symmetric": True}],
                          ids=["per-tensor", "per-axis", "blocked", "symmetric"])

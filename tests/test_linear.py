@@ -1,9 +1,11 @@
-"""quantize_linear / dequantize_linear: docs/numerics.md edge cases, transformations, tracing."""
+"""quantize_linear / dequantize_linear: docs/numerics.md edge cases, transformations, tracing.
+
+The edge cases run on every implementation (``quant_testing.IMPLEMENTATIONS``).
+"""
 
 import functools
 
 import chex
-import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
@@ -14,97 +16,92 @@ import pytest
 import jaxquant as jq
 from jaxquant import _granularity
 from jaxquant import _linear
-
-INTEGER_DTYPES = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.int8, jnp.uint8,
-                  jnp.int16, jnp.uint16, jnp.int32, jnp.uint32]
-FLOAT8_DTYPES = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2,
-                 jnp.float8_e5m2fnuz]
-
-
-def _is_float(array):
-  return array.dtype.name.startswith(("float", "bfloat"))
-
-
-def assert_bits_equal(actual, expected):
-  """Equal dtypes, shapes and bits, so -0.0 != 0.0; NaN equals any NaN.
-
-  IEEE leaves a NaN's sign and payload to the hardware (x86 makes 0 * inf a
-  negative NaN), and no rule of docs/numerics.md depends on them.
-  """
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-  assert actual.shape == expected.shape, (actual.shape, expected.shape)
-  if not _is_float(actual):
-    np.testing.assert_array_equal(actual, expected)
-    return
-  nan = np.isnan(actual.astype(np.float32))
-  np.testing.assert_array_equal(nan, np.isnan(expected.astype(np.float32)))
-  unsigned = f"uint{8 * actual.dtype.itemsize}"
-  np.testing.assert_array_equal(actual.view(unsigned)[~nan], expected.view(unsigned)[~nan])
+from quant_testing import assert_bits_equal
+from quant_testing import CASES
+from quant_testing import dtype_name
+from quant_testing import expand_scale
+from quant_testing import FLOAT8_DTYPES
+from quant_testing import given_per_implementation
+from quant_testing import IMPLEMENTATIONS
+from quant_testing import INTEGER_DTYPES
+from quant_testing import INTEGER_DTYPES_32_BITS
+from quant_testing import INTEGER_DTYPES_TO_16_BITS
+from quant_testing import layouts
 
 
 # --- quantize_linear: special values (docs/numerics.md) --------------------------------
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
-def test_integer_special_values(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+def test_integer_special_values(dtype, implementation):
   info = jnp.iinfo(dtype)
   x = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 1e30, -1e30, 0.0], jnp.float32)
-  y = jq.quantize_linear(x, 1.0, output_dtype=dtype)
+  y = jq.quantize_linear(x, 1.0, output_dtype=dtype, implementation=implementation)
   assert_bits_equal(y, np.array([info.min, info.max, info.min, info.max, info.min, 0],
                                 dtype=y.dtype))
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
-def test_scale_zero_saturates_by_sign(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+def test_scale_zero_saturates_by_sign(dtype, implementation):
   info = jnp.iinfo(dtype)
-  y = jq.quantize_linear(jnp.array([3.0, -3.0, 0.0, -0.0]), 0.0, output_dtype=dtype)
+  y = jq.quantize_linear(jnp.array([3.0, -3.0, 0.0, -0.0]), 0.0, output_dtype=dtype,
+                         implementation=implementation)
   assert y.tolist() == [info.max, info.min, info.min, info.min]
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.__name__)
-def test_rounds_half_to_even_then_adds_zero_point(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+def test_rounds_half_to_even_then_adds_zero_point(dtype, implementation):
   info = jnp.iinfo(dtype)
   zero_point = np.array(info.min + (info.max - info.min) // 2).astype(dtype)
   ties = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5], np.float32)
   expected = np.clip(np.rint(ties).astype(np.int64) + int(zero_point), info.min, info.max)
-  y = jq.quantize_linear(ties, 1.0, zero_point)
+  y = jq.quantize_linear(ties, 1.0, zero_point, implementation=implementation)
   assert y.tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32], ids=lambda d: d.__name__)
-def test_32bit_zero_point_is_added_exactly(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES_32_BITS, ids=dtype_name)
+def test_32bit_zero_point_is_added_exactly(dtype, implementation):
   info = jnp.iinfo(dtype)
   rng = np.random.default_rng(0)
   # Quotients above 2**24, where a float32 sum with the zero point would round.
   quotient = rng.uniform(-2.0**33, 2.0**33, 4096).astype(np.float32)
   zero_point = rng.integers(info.min, info.max, 4096, endpoint=True).astype(dtype)
-  y = jq.quantize_linear(quotient, np.ones(4096, np.float32), zero_point, axis=0)
+  y = jq.quantize_linear(quotient, np.ones(4096, np.float32), zero_point, axis=0,
+                         implementation=implementation)
   exact = np.clip(np.rint(quotient).astype(np.float64).astype(object) + zero_point.astype(object),
                   info.min, info.max)
   assert np.asarray(y).astype(object).tolist() == exact.tolist()
 
 
-@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=lambda d: d.__name__)
-def test_float8_saturate(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", FLOAT8_DTYPES, ids=dtype_name)
+def test_float8_saturate(dtype, implementation):
   finfo = ml_dtypes.finfo(dtype)
   x = np.array([1e6, -1e6, np.inf, -np.inf, np.nan, 1.0, -0.0], np.float32)
-  saturated = jq.quantize_linear(x, 1.0, output_dtype=dtype)
+  quantize = functools.partial(jq.quantize_linear, output_dtype=dtype,
+                               implementation=implementation)
+  saturated = quantize(x, 1.0)
   expected = np.clip(x, -float(finfo.max), float(finfo.max)).astype(dtype)
   assert_bits_equal(saturated, expected)
   # saturate=False is the plain IEEE cast, which is what ml_dtypes does.
-  assert_bits_equal(jq.quantize_linear(x, 1.0, output_dtype=dtype, saturate=False),
-                    x.astype(dtype))
+  assert_bits_equal(quantize(x, 1.0, saturate=False), x.astype(dtype))
 
 
-def test_float8_zero_point_keeps_negative_zero():
-  y = jq.quantize_linear(jnp.array([-0.0, 1.0]), 1.0, jnp.zeros((), jnp.float8_e4m3fn))
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_float8_zero_point_keeps_negative_zero(implementation):
+  y = jq.quantize_linear(jnp.array([-0.0, 1.0]), 1.0, jnp.zeros((), jnp.float8_e4m3fn),
+                         implementation=implementation)
   assert_bits_equal(y, np.array([-0.0, 1.0], ml_dtypes.float8_e4m3fn))
 
 
-def test_float4_saturates_to_six():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_float4_saturates_to_six(implementation):
   x = np.array([100.0, -100.0, np.inf, -np.inf, 2.5, 0.25], np.float32)
-  y = jq.quantize_linear(x, 1.0, output_dtype=jnp.float4_e2m1fn)
+  y = jq.quantize_linear(x, 1.0, output_dtype=jnp.float4_e2m1fn, implementation=implementation)
   assert np.asarray(y).astype(np.float32).tolist() == [6, -6, 6, -6, 2, 0]
 
 
@@ -118,8 +115,9 @@ def _divides_differently_by_reciprocal(dtype, size=4096):
   return x, scale, exact
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layout", ["scalar", "per-axis", "blocked"])
-def test_division_is_true_division_under_jit(layout):
+def test_division_is_true_division_under_jit(layout, implementation):
   x, scale, exact = _divides_differently_by_reciprocal(np.float32)
   # Quotients land on exact .5 ties when x is built from them, so a one-ulp
   # error in the quotient flips the rounding.
@@ -135,8 +133,8 @@ def test_division_is_true_division_under_jit(layout):
     x, exact = x.reshape(64, 64), exact.reshape(64, 64)
     scale_array, kwargs = np.full((64, 3), scale), dict(axis=1, block_size=24)
   expected = np.clip(np.rint(exact), -32768, 32767).astype(np.int16)
-  y = jax.jit(functools.partial(jq.quantize_linear, output_dtype=jnp.int16, **kwargs))(
-      x, scale_array)
+  y = jax.jit(functools.partial(jq.quantize_linear, output_dtype=jnp.int16,
+                                implementation=implementation, **kwargs))(x, scale_array)
   assert_bits_equal(y, expected)
 
 
@@ -145,14 +143,15 @@ def test_onnx_example_divides_in_the_scale_dtype():
   # division". onnxruntime 1.32.0 and onnx.reference 1.23.2 both give 22087
   # (the float32 quotient would give 22082).
   x = jnp.array([4640], jnp.float16)
-  for implementation in ("xla", "pallas"):
+  for implementation in IMPLEMENTATIONS:
     y = jq.quantize_linear(x, jnp.float16(0.1875), jnp.int16(-2665),
                            implementation=implementation)
     assert_bits_equal(y, np.array([22087], np.int16))
 
 
-@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16], ids=lambda d: d.__name__)
-def test_division_precision_follows_the_scale(narrow):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("narrow", [np.float16, ml_dtypes.bfloat16], ids=dtype_name)
+def test_division_precision_follows_the_scale(narrow, implementation):
   # Pairs whose quotient rounds to a different integer in the narrow dtype
   # than in float32: the scale's dtype decides which one is right.
   rng = np.random.default_rng(2)
@@ -164,15 +163,13 @@ def test_division_precision_follows_the_scale(narrow):
   )
   assert np.any(in_float32 != in_narrow)
   as_int16 = lambda q: np.clip(q, -32768, 32767).astype(np.int16)
+  quantize = functools.partial(jq.quantize_linear, output_dtype=jnp.int16,
+                               implementation=implementation)
   # float32 x, narrow scale: x is rounded to the scale's dtype too.
-  assert_bits_equal(jq.quantize_linear(x, scale, output_dtype=jnp.int16), as_int16(in_narrow))
+  assert_bits_equal(quantize(x, scale), as_int16(in_narrow))
   # precision= overrides the scale's dtype, either way.
-  assert_bits_equal(
-      jq.quantize_linear(x, scale, output_dtype=jnp.int16, precision=jnp.float32),
-      as_int16(in_float32))
-  assert_bits_equal(
-      jq.quantize_linear(x, np.float32(scale), output_dtype=jnp.int16, precision=narrow),
-      as_int16(in_narrow))
+  assert_bits_equal(quantize(x, scale, precision=jnp.float32), as_int16(in_float32))
+  assert_bits_equal(quantize(x, np.float32(scale), precision=narrow), as_int16(in_narrow))
   # fake_quantize divides as quantize_linear does.
   fake = jq.fake_quantize(x, scale, dtype=jnp.int16)
   assert_bits_equal(fake, (as_int16(in_narrow).astype(np.float32)
@@ -184,19 +181,22 @@ def test_int32_input_requantizes_accumulators():
   x = np.array([300, 301, -5, 1_000_000_001, 2**31 - 1, -2**31, 7 * 2**24 + 3], np.int32)
   scale = np.float32(2.0)
   expected = np.clip(np.rint(x.astype(np.float64).astype(np.float32) / 2.0) + 10, 0, 255)
-  for implementation in ("xla", "pallas"):
+  for implementation in IMPLEMENTATIONS:
     y = jq.quantize_linear(x, scale, jnp.uint8(10), implementation=implementation)
     assert_bits_equal(y, expected.astype(np.uint8))
-  y = jax.jit(lambda x: jq.quantize_linear(x, scale, output_dtype=jnp.int16))(x)
-  assert_bits_equal(y, np.clip(np.rint(x.astype(np.float32) / 2.0), -32768, 32767)
-                    .astype(np.int16))
+    y = jax.jit(lambda x: jq.quantize_linear(x, scale, output_dtype=jnp.int16,
+                                             implementation=implementation))(x)
+    assert_bits_equal(y, np.clip(np.rint(x.astype(np.float32) / 2.0), -32768, 32767)
+                      .astype(np.int16))
 
 
-def test_int32_input_rounds_once_to_bfloat16():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_int32_input_rounds_once_to_bfloat16(implementation):
   # 2**25 + 2**17 + 1 is just above a bfloat16 tie; through float32 it lands
   # on the tie (2**25 + 2**17) and ties-to-even rounds it down to 2**25.
   x = np.array([2**25 + 2**17 + 1, -(2**25 + 2**17 + 1), 2**25 + 2**17], np.int32)
-  y = jq.quantize_linear(x, jnp.bfloat16(2.0**18), output_dtype=jnp.int16)
+  y = jq.quantize_linear(x, jnp.bfloat16(2.0**18), output_dtype=jnp.int16,
+                         implementation=implementation)
   assert_bits_equal(y, np.array([129, -129, 128], np.int16))
 
 
@@ -222,65 +222,76 @@ def test_per_tensor_scale_and_zero_point_may_differ_in_rank(scale_shape, zero_po
   assert added.dtype == jnp.int8
 
 
-def test_output_dtype_resolution():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_output_dtype_resolution(implementation):
   x = jnp.array([1.0, 300.0])
-  assert jq.quantize_linear(x, 1.0).dtype == jnp.uint8
-  assert jq.quantize_linear(x, 1.0, output_dtype=jnp.int16).dtype == jnp.int16
-  assert jq.quantize_linear(x, 1.0, jnp.int4(0)).dtype == jnp.int4
-  assert jq.quantize_linear(x, 1.0, jnp.int4(0), output_dtype=jnp.int4).dtype == jnp.int4
+  quantize = functools.partial(jq.quantize_linear, implementation=implementation)
+  assert quantize(x, 1.0).dtype == jnp.uint8
+  assert quantize(x, 1.0, output_dtype=jnp.int16).dtype == jnp.int16
+  assert quantize(x, 1.0, jnp.int4(0)).dtype == jnp.int4
+  assert quantize(x, 1.0, jnp.int4(0), output_dtype=jnp.int4).dtype == jnp.int4
   # A Python number as zero point has no dtype of its own.
-  assert jq.quantize_linear(x, 1.0, 3, output_dtype=jnp.int8).tolist() == [4, 127]
+  assert quantize(x, 1.0, 3, output_dtype=jnp.int8).tolist() == [4, 127]
 
 
 # --- dequantize_linear ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES[:-2], ids=lambda d: d.__name__)
-def test_dequantize_subtracts_exactly(dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES_TO_16_BITS, ids=dtype_name)
+def test_dequantize_subtracts_exactly(dtype, implementation):
   info = jnp.iinfo(dtype)
   x = np.array([info.min, info.max, 0]).astype(dtype)
   zero_point = np.array([info.max, info.min, info.max]).astype(dtype)
-  y = jq.dequantize_linear(x, np.ones(3, np.float32), zero_point, axis=0)
+  y = jq.dequantize_linear(x, np.ones(3, np.float32), zero_point, axis=0,
+                           implementation=implementation)
   assert y.tolist() == [info.min - info.max, info.max - info.min, -info.max]
 
 
-def test_dequantize_int32_wraps_around_like_onnxruntime():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dequantize_int32_wraps_around_like_onnxruntime(implementation):
   x = jnp.array([2**31 - 1, -(2**31)], jnp.int32)
-  y = jq.dequantize_linear(x, jnp.ones(2), jnp.array([-1, 1], jnp.int32), axis=0)
+  y = jq.dequantize_linear(x, jnp.ones(2), jnp.array([-1, 1], jnp.int32), axis=0,
+                           implementation=implementation)
   # 2**31 - 1 - (-1) wraps to -2**31; -2**31 - 1 wraps to 2**31 - 1, which is 2**31 in float32.
   assert y.tolist() == [-(2.0**31), 2.0**31]
 
 
-def test_dequantize_uint32_wraps_around_in_its_own_width():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dequantize_uint32_wraps_around_in_its_own_width(implementation):
   x = jnp.array([0, 4_000_000_000], jnp.uint32)
-  y = jq.dequantize_linear(x, 1.0, jnp.array(1, jnp.uint32))
+  y = jq.dequantize_linear(x, 1.0, jnp.array(1, jnp.uint32), implementation=implementation)
   assert y.tolist() == [float(np.float32(2**32 - 1)), float(np.float32(3_999_999_999))]
 
 
-def test_dequantize_special_scales():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dequantize_special_scales(implementation):
   x = jnp.array([-3, 0, 3], jnp.int8)
   for scale, expected in [(0.0, [-0.0, 0.0, 0.0]), (np.inf, [-np.inf, np.nan, np.inf]),
                           (np.nan, [np.nan] * 3)]:
-    assert_bits_equal(jq.dequantize_linear(x, np.float32(scale)),
+    assert_bits_equal(jq.dequantize_linear(x, np.float32(scale), implementation=implementation),
                       np.array(expected, np.float32) if scale != 0
                       else np.float32(0.0) * np.array([-3, 0, 3], np.float32))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
-def test_dequantize_rounds_product_once(scale_dtype):
+def test_dequantize_rounds_product_once(scale_dtype, implementation):
   rng = np.random.default_rng(3)
   x = rng.integers(-128, 128, 5000).astype(np.int8)
   scale = np.asarray(0.0123, scale_dtype)
-  y = jq.dequantize_linear(x, scale, np.int8(3))
+  dequantize = functools.partial(jq.dequantize_linear, implementation=implementation)
+  y = dequantize(x, scale, np.int8(3))
   expected = ((x.astype(np.float32) - 3) * scale.astype(np.float32)).astype(scale_dtype)
   assert_bits_equal(y, expected)
-  assert jq.dequantize_linear(x, scale, output_dtype=jnp.float32).dtype == jnp.float32
+  assert dequantize(x, scale, output_dtype=jnp.float32).dtype == jnp.float32
 
 
-def test_dequantize_float8_input_and_e8m0_scale():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dequantize_float8_input_and_e8m0_scale(implementation):
   x = np.array([1.5, -448, 0.25], ml_dtypes.float8_e4m3fn)
   scale = np.array(2.0**-3, ml_dtypes.float8_e8m0fnu)
-  y = jq.dequantize_linear(x, scale)
+  y = jq.dequantize_linear(x, scale, implementation=implementation)
   assert y.dtype == jnp.float32
   assert y.tolist() == [1.5 / 8, -56.0, 0.25 / 8]
 
@@ -288,57 +299,16 @@ def test_dequantize_float8_input_and_e8m0_scale():
 # --- granularity: every layout against an explicit np.repeat expansion ------------------
 
 
-@st.composite
-def layouts(draw):
-  """(x shape, scale shape, axis, block_size) over every row of docs/numerics.md, "Granularity"."""
-  rank = draw(st.integers(0, 5))
-  x_shape = tuple(draw(st.lists(st.integers(0, 5), min_size=rank, max_size=rank)))
-  kind = draw(st.sampled_from(["per-tensor", "per-axis", "blocked", "broadcast"]))
-  if rank == 0 or kind == "per-tensor":
-    return x_shape, draw(st.sampled_from([(), (1,)])), 1, 0
-  axis = draw(st.integers(-rank, rank - 1))
-  if kind == "per-axis" and rank >= 2:
-    return x_shape, (x_shape[axis],), axis, 0
-  if kind == "blocked":
-    block_size = draw(st.integers(1, 6))
-    scale_shape = list(x_shape)
-    scale_shape[axis] = -(-x_shape[axis] // block_size)
-    return x_shape, tuple(scale_shape), axis, block_size
-  scale_shape = tuple(
-      n if n == 0 else draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
-      for n in x_shape
-  )
-  # Drop leading dims now and then: the NumPy rank rule of the last row.
-  drop = draw(st.integers(0, max(0, rank - 2)))
-  return x_shape, scale_shape[drop:], axis, 0
-
-
-def expand_scale(scale, x_shape, axis, block_size):
-  """The scale repeated out to x's shape: the slow, obvious reading of the granularity table."""
-  if scale.size == 1:
-    return np.broadcast_to(scale.reshape(()), x_shape)
-  if scale.ndim == 1 and len(x_shape) >= 2:
-    shape = [1] * len(x_shape)
-    shape[axis] = -1
-    return np.broadcast_to(scale.reshape(shape), x_shape)
-  if block_size:
-    return np.repeat(scale, block_size, axis=axis).take(range(x_shape[axis]), axis=axis)
-  scale = scale.reshape((1,) * (len(x_shape) - scale.ndim) + scale.shape)
-  for d, n in enumerate(x_shape):
-    if scale.shape[d]:
-      scale = np.repeat(scale, n // scale.shape[d], axis=d)
-  return scale
-
-
 @pytest.mark.slow
-@hypothesis.given(layout=layouts(), seed=st.integers(0, 2**32 - 1))
-def test_every_layout_matches_expanded_scale(layout, seed):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(1.0, 0.25, layout=layouts(), seed=st.integers(0, 2**32 - 1))
+def test_every_layout_matches_expanded_scale(implementation, layout, seed):
   x_shape, scale_shape, axis, block_size = layout
   rng = np.random.default_rng(seed)
   x = rng.normal(0, 4, x_shape).astype(np.float32)
   scale = rng.uniform(0.1, 2, scale_shape).astype(np.float32)
   zero_point = rng.integers(-20, 20, scale_shape).astype(np.int8)
-  kwargs = dict(axis=axis, block_size=block_size)
+  kwargs = dict(axis=axis, block_size=block_size, implementation=implementation)
   full_scale = expand_scale(scale, x_shape, axis, block_size)
   full_zero_point = expand_scale(zero_point, x_shape, axis, block_size)
 
@@ -367,14 +337,6 @@ def test_granularity_kinds():
 
 
 # --- transformations -------------------------------------------------------------------
-
-
-CASES = {
-    "per-tensor": ((5, 7), (), {}),
-    "per-axis": ((5, 7), (7,), dict(axis=1)),
-    "blocked-ragged": ((5, 7), (5, 3), dict(axis=1, block_size=3)),
-    "broadcast-2d-blocks": ((6, 8), (3, 2), {}),
-}
 
 
 def _case(name, seed=0):

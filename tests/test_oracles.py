@@ -1,7 +1,8 @@
 """Bit-exact agreement of quantize_linear and dequantize_linear with two ONNX oracles.
 
-Every randomized case runs jaxquant once (directly, or inside the caller's own
-``jax.jit``) and compares the raw bits of its result with each oracle that
+Every randomized case runs jaxquant once per implementation (XLA; Pallas, in
+interpret mode on CPU, on fewer examples), directly or inside the caller's own
+``jax.jit``, and compares the raw bits of its result with each oracle that
 supports the case: ``onnx.reference`` and onnxruntime's CPU provider, both at
 opset 25 through ``tests/onnx_oracle.py``. Float results are compared as
 unsigned-integer views, so -0.0 against +0.0 fails (NaN: see N1).
@@ -45,8 +46,8 @@ axis 0 with ``block_size=1``, which is exactly a full-shape scale.
 Oracle deviations from jaxquant's documented numerics (docs/numerics.md wins,
 and its "Oracle deviations" table lists them all). Each has an explicit test
 below; the randomized tests compare the elements concerned with a NumPy model
-of docs/numerics.md (``_spec_quantize``, ``_spec_dequantize``) instead of the
-oracle:
+of docs/numerics.md (``spec_quantize``, ``spec_dequantize`` in
+``tests/quant_testing.py``) instead of the oracle:
 
 R1. onnx.reference QuantizeLinear to integers computes
     ``np.rint(x / scale).astype(int32) + zero_point`` in int32: +inf, NaN and
@@ -125,14 +126,11 @@ empty axis raised ZeroDivisionError.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import pathlib
 import subprocess
 import sys
 import textwrap
-from typing import Any
 
 import hypothesis
 from hypothesis import strategies as st
@@ -141,12 +139,37 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import helper
 import onnxruntime
 import pytest
 
 import jaxquant as jq
 import onnx_oracle  # tests/ is on sys.path (pytest's rootdir-relative import)
+from quant_testing import assert_matches_oracle
+from quant_testing import BF16
+from quant_testing import bits
+from quant_testing import division_precision
+from quant_testing import dtype_name
+from quant_testing import F16
+from quant_testing import F32
+from quant_testing import FLOAT4
+from quant_testing import FLOAT8_DTYPES
+from quant_testing import float_grid
+from quant_testing import FOUR_BIT_INTEGER_DTYPES
+from quant_testing import given_per_implementation
+from quant_testing import ieee_quotient
+from quant_testing import IMPLEMENTATIONS
+from quant_testing import INT32
+from quant_testing import INTEGER_DTYPES_TO_16_BITS
+from quant_testing import is_integer
+from quant_testing import layouts_for
+from quant_testing import pick
+from quant_testing import quantize_inputs
+from quant_testing import scales
+from quant_testing import shapes
+from quant_testing import spec_dequantize
+from quant_testing import spec_quantize
+from quant_testing import SUB_BYTE_INTEGER_DTYPES
+from quant_testing import tensor_type
 
 # Kernel-not-found errors are expected while probing; keep them off stderr.
 onnxruntime.set_default_logger_severity(3)
@@ -158,47 +181,8 @@ REFERENCE = "onnx.reference"
 ONNXRUNTIME = "onnxruntime"
 ORACLES = (REFERENCE, ONNXRUNTIME)
 
-F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
-INT_DTYPES = tuple(np.dtype(d) for d in (
-    ml_dtypes.int2, ml_dtypes.uint2, ml_dtypes.int4, ml_dtypes.uint4,
-    np.int8, np.uint8, np.int16, np.uint16,
-))
-FLOAT8_DTYPES = tuple(np.dtype(d) for d in (
-    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
-    ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz,
-))
-FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)
-# Opset 28; XLA cannot hold them, so tests/test_float6.py runs them.
-FLOAT6_DTYPES = tuple(np.dtype(d) for d in (ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn))
-# Float dtypes without NaN or inf: they always saturate, NaN giving +max.
-SATURATING_FLOATS = (FLOAT4, *FLOAT6_DTYPES)
-INT32 = np.dtype(np.int32)
-QUANTIZE_DTYPES = INT_DTYPES + FLOAT8_DTYPES + (FLOAT4,)
+QUANTIZE_DTYPES = INTEGER_DTYPES_TO_16_BITS + FLOAT8_DTYPES + (FLOAT4,)
 DEQUANTIZE_DTYPES = QUANTIZE_DTYPES + (INT32,)
-SMALL_INT_DTYPES = INT_DTYPES[:4]  # int2, uint2, int4, uint4: see O1, O2
-
-LAYOUTS = ("per-tensor", "per-axis", "blocked", "broadcast")
-
-
-def _examples(fraction: float) -> int:
-  """A share of the active profile's max_examples, so "thorough" scales too."""
-  return max(5, int(hypothesis.settings.default.max_examples * fraction))
-
-
-def _is_integer(dtype: np.dtype) -> bool:
-  return dtype in INT_DTYPES or dtype == INT32
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-  """Raw storage bits, so -0.0/+0.0 and NaN payloads compare unequal."""
-  a = np.asarray(a)
-  return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
-
-
-def _tensor_type(dtype: Any) -> int:
-  return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
-
 # ----------------------------------------------------------------------------
 # Running one node in an oracle.
 
@@ -230,11 +214,6 @@ def _quantize_supported(oracle, qdtype, x_dtype, scale_dtype, precision) -> bool
   )
 
 
-def _division_precision(scale_dtype, precision):
-  """ONNX's rule: ``precision`` if given, else the scale's dtype."""
-  return np.dtype(precision) if precision is not None else np.dtype(scale_dtype)
-
-
 def _dequantize_supported(oracle, qdtype, scale_dtype, output_dtype) -> bool:
   if oracle == REFERENCE:
     return True
@@ -242,36 +221,8 @@ def _dequantize_supported(oracle, qdtype, scale_dtype, output_dtype) -> bool:
 
 
 # ----------------------------------------------------------------------------
-# docs/numerics.md in NumPy: the expected value where an oracle deviates.
-
-
-def _quotient(x, scale, precision):
-  """x / scale as IEEE division in ``precision``, as float64 (exact)."""
-  return (x.astype(precision) / scale.astype(precision)).astype(np.float64)
-
-
-def _spec_quantize(quotient, zero_point, qdtype, saturate=True):
-  """The documented quantize of an exact quotient; zero_point full-shape float64 or None."""
-  if _is_integer(qdtype):
-    info = ml_dtypes.iinfo(qdtype)
-    y = np.rint(quotient)
-    if zero_point is not None:
-      y = y + zero_point
-    y = np.where(np.isnan(y), info.min, np.clip(y, info.min, info.max))
-    return y.astype(qdtype)
-  if zero_point is not None:
-    # A zero point 0 is no zero point (-0.0 stays); others add in float32.
-    shifted = quotient.astype(np.float32) + zero_point.astype(np.float32)
-    quotient = np.where(zero_point == 0, quotient, shifted)
-  if saturate or qdtype in SATURATING_FLOATS:
-    limit = float(ml_dtypes.finfo(qdtype).max)
-    quotient = np.clip(quotient, -limit, limit)
-  if qdtype in SATURATING_FLOATS:
-    # No NaN: ONNX's float4 Cast table sends it to +6 (ml_dtypes: +-0), and
-    # jaxquant sends float6 NaN to +max alike (R6, R10).
-    quotient = np.where(np.isnan(quotient), float(ml_dtypes.finfo(qdtype).max), quotient)
-  # float64 -> float32 is exact here; ml_dtypes then rounds once, IEEE-style.
-  return quotient.astype(np.float32).astype(qdtype)
+# Where the oracles deviate (the documented model is quant_testing.spec_*), and
+# the zero points they accept.
 
 
 # O6: |x/scale| where onnxruntime's non-saturating float8 cast is wrong.
@@ -289,217 +240,16 @@ def _int32_unsafe(quotient, zero_point):
     return ~np.isfinite(rounded) | (np.abs(rounded) >= 2.0**31) | (np.abs(wide) >= 2.0**31)
 
 
-def _spec_dequantize(x, scale, zero_point, output_dtype):
-  """The documented dequantize, elementwise on full-shape operands."""
-  if _is_integer(x.dtype):
-    wide = x.astype(np.int64)
-    if zero_point is not None:
-      wide = wide - zero_point.astype(np.int64)
-    # int32 inputs wrap around in their own width (docs/numerics.md).
-    difference = wide.astype(np.int32).astype(np.float32)
-  else:
-    difference = x.astype(np.float32)
-    if zero_point is not None:
-      difference = difference - zero_point.astype(np.float32)
-  return (difference * scale.astype(np.float32)).astype(output_dtype)
-
-
-# ----------------------------------------------------------------------------
-# Strategies.
-
-
-@st.composite
-def _shapes(draw, min_rank=0, max_rank=8, max_size=512):
-  """Shapes of rank min_rank..max_rank with at most max_size elements, some empty."""
-  rank = draw(st.integers(min_rank, max_rank))
-  cap = 24 if rank <= 2 else 6
-  shape = [draw(st.integers(1, cap)) for _ in range(rank)]
-  while np.prod(shape, dtype=np.int64) > max_size:
-    largest = int(np.argmax(shape))
-    shape[largest] = max(1, shape[largest] // 2)
-  if rank and draw(st.integers(0, 9)) == 0:
-    shape[draw(st.integers(0, rank - 1))] = 0
-  return tuple(shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """One granularity (docs/numerics.md), as jaxquant takes it and as ONNX runs it.
-
-  Attributes:
-    kind: one of LAYOUTS.
-    x_shape: the input's shape.
-    scale_shape: the scale (and zero point) shape given to jaxquant.
-    axis: jaxquant's axis (ONNX's too, except for "broadcast").
-    block_size: jaxquant's block_size.
-    full: repeats a scale-shaped array to x's shape, as the granularity table defines.
-  """
-
-  kind: str
-  x_shape: tuple[int, ...]
-  scale_shape: tuple[int, ...]
-  axis: int = 1
-  block_size: int = 0
-
-  def full(self, param: np.ndarray) -> np.ndarray:
-    if self.kind == "per-tensor":
-      return np.broadcast_to(param.reshape(()), self.x_shape)
-    rank = len(self.x_shape)
-    if self.kind == "per-axis":
-      shape = [1] * rank
-      shape[self.axis] = param.size
-      return np.broadcast_to(param.reshape(shape), self.x_shape)
-    if self.kind == "blocked":
-      axis = self.axis % rank
-      repeated = np.repeat(param, self.block_size, axis=axis)
-      return np.take(repeated, np.arange(self.x_shape[axis]), axis=axis)
-    param = param.reshape((1,) * (rank - param.ndim) + param.shape)
-    for d, (p, n) in enumerate(zip(param.shape, self.x_shape)):
-      param = np.repeat(param, n // p if p else 1, axis=d)
-    return np.broadcast_to(param, self.x_shape)
-
-  def onnx(self, param: np.ndarray | None) -> tuple[np.ndarray | None, dict[str, int]]:
-    """The parameter and attributes for the ONNX node."""
-    if self.kind == "per-tensor":
-      return param, {}
-    if math.prod(self.scale_shape) == 1:
-      # O5: onnxruntime reads any one-element scale as per-tensor, then refuses
-      # block_size, and takes only () or (1,) there: jaxquant calls it per-tensor too.
-      return None if param is None else param.reshape(()), {}
-    if self.kind == "per-axis":
-      return param, {"axis": self.axis}
-    if self.kind == "blocked":
-      return param, {"axis": self.axis, "block_size": self.block_size}
-    # No ONNX mode repeats along several dims: a full-shape scale blocked by 1.
-    full = None if param is None else np.ascontiguousarray(self.full(param))
-    return full, {"axis": 0, "block_size": 1}
-
-
-@st.composite
-def _layouts(draw, x_shape):
-  rank = len(x_shape)
-  kind = "per-tensor" if rank == 0 else draw(st.sampled_from(LAYOUTS))
-  if kind == "per-tensor":
-    return Layout(kind, x_shape, draw(st.sampled_from([(), (1,)])))
-  axis = draw(st.integers(-rank, rank - 1))
-  length = x_shape[axis]
-  if kind == "per-axis":
-    return Layout(kind, x_shape, (length,), axis=axis)
-  if kind == "blocked":
-    # Every block_size is in ONNX's accepted range [ceil(D/S), ceil(D/(S-1)) - 1]
-    # for S = ceil(D/block_size), and every valid (S, block_size) pair is
-    # reachable; block sizes that do not divide D give a ragged last block.
-    # An empty axis has 0 blocks of any size.
-    block_size = draw(st.integers(1, length + 2))
-    blocks = -(-length // block_size)
-    scale_shape = list(x_shape)
-    scale_shape[axis] = blocks
-    return Layout(kind, x_shape, tuple(scale_shape), axis=axis, block_size=block_size)
-  scale_rank = draw(st.sampled_from(sorted({rank, *range(2, rank)})))
-  scale_shape = []
-  for n in x_shape[rank - scale_rank:]:
-    # Any scale dim divides an empty one (0 included): it repeats 0 times.
-    divisors = [p for p in range(1, n + 1) if n % p == 0] if n else [0, 1, 2, 3]
-    scale_shape.append(draw(st.sampled_from(divisors)))
-  return Layout(kind, x_shape, tuple(scale_shape))
-
-
-def _pick(rng, choices, shape, weights=None):
-  """Elementwise choice from ``choices`` (rows stacked on axis 0)."""
-  index = rng.choice(len(choices), size=shape, p=weights)
-  return np.choose(index, choices) if np.ndim(choices[0]) else np.asarray(choices)[index]
-
-
-def _scales(rng, shape, dtype, special_rate):
-  """Positive scales that make exact ties likely, plus tiny, huge and non-finite ones."""
-  info = ml_dtypes.finfo(dtype)
-  nice = rng.integers(1, 16, shape) * 2.0 ** rng.integers(-12, 5, shape)
-  wild = np.exp(rng.uniform(np.log(2.0**-20), np.log(2.0**10), shape))
-  # J1: float32 subnormals are flushed by XLA on CPU; float16's are float32 normals.
-  tiny = [float(info.tiny), float(info.smallest_subnormal)] if dtype == F16 else [2.0**-100]
-  specials = np.array([
-      *tiny, float(info.max), float(info.max) / 4, 0.0, -0.0, -0.75, np.nan, np.inf, -np.inf,
-      2.0**-30,
-  ])
-  scale = np.where(rng.random(shape) < 0.6, nice, wild)
-  scale = np.where(rng.random(shape) < special_rate, _pick(rng, specials, shape), scale)
-  return _without_float32_subnormals(scale.astype(dtype))
-
-
-def _without_float32_subnormals(a):
-  """``a`` with float32-subnormal values replaced by zeros of the same sign (J1)."""
-  value = a.astype(np.float32)
-  subnormal = (value != 0) & (np.abs(value) < np.finfo(np.float32).tiny)
-  return np.where(subnormal, np.copysign(0.0, value), a).astype(a.dtype)
-
-
-def _grid(qdtype):
-  """The finite values of a float quantized dtype, ascending."""
-  values = np.arange(2 ** ml_dtypes.finfo(qdtype).bits, dtype=np.uint8).view(qdtype)
-  values = values.astype(np.float64)
-  return np.unique(values[np.isfinite(values)])
-
-
-def _quantize_inputs(rng, qdtype, x_dtype, scale_full, zero_point_full, special_rate):
-  """x near quantize_linear's rounding decisions for its element's scale."""
-  shape = scale_full.shape
-  scale64 = scale_full.astype(np.float64)
-  if _is_integer(qdtype):
-    info = ml_dtypes.iinfo(qdtype)
-    zp = 0.0 if zero_point_full is None else zero_point_full
-    low, high = info.min - zp - 3, info.max - zp + 3
-    k = np.floor(low + rng.random(shape) * (high - low + 1))
-    # Half of the draws sit next to the saturation boundaries.
-    edge = np.where(rng.random(shape) < 0.5, low + rng.integers(0, 5, shape),
-                    high - rng.integers(0, 5, shape))
-    k = np.where(rng.random(shape) < 0.3, edge, k)
-    exact, tie = k, k + 0.5
-    spread = (info.min - zp - (high - low), info.max - zp + (high - low))
-  else:
-    grid = _grid(qdtype)
-    index = rng.integers(0, len(grid) - 1, shape)
-    exact, tie = grid[index], (grid[index] + grid[index + 1]) / 2
-    spread = (-2.0 * grid[-1], 2.0 * grid[-1])
-  uniform = spread[0] + rng.random(shape) * (spread[1] - spread[0])
-  with np.errstate(over="ignore", invalid="ignore"):
-    tie_x = (tie * scale64).astype(x_dtype)
-    infinity = np.array(np.inf, x_dtype)
-    candidates = [
-        tie_x,
-        (exact * scale64).astype(x_dtype),
-        np.nextafter(tie_x, infinity) if x_dtype != BF16 else tie_x,
-        np.nextafter(tie_x, -infinity) if x_dtype != BF16 else tie_x,
-        (uniform * scale64).astype(x_dtype),
-    ]
-  if x_dtype == BF16:
-    # NumPy has no nextafter for bfloat16: step the bit pattern instead.
-    bits = tie_x.view(np.uint16).astype(np.int32)
-    candidates[2] = np.where(np.isfinite(tie_x.astype(np.float32)),
-                             bits + 1, bits).astype(np.uint16).view(BF16)
-    candidates[3] = np.where(np.isfinite(tie_x.astype(np.float32)) & (bits & 0x7FFF != 0),
-                             bits - 1, bits).astype(np.uint16).view(BF16)
-  x = _pick(rng, [c.astype(x_dtype) for c in candidates], shape,
-            weights=[0.35, 0.15, 0.15, 0.15, 0.2])
-  info = ml_dtypes.finfo(x_dtype)
-  specials = np.array([
-      np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, float(info.max), -float(info.max),
-      float(info.tiny), -float(info.smallest_subnormal), 3e9, -3e9, 2.0**31, 65504.0,
-  ]).astype(x_dtype)
-  with np.errstate(over="ignore"):
-    x = np.where(rng.random(shape) < special_rate, _pick(rng, specials, shape), x)
-  return _without_float32_subnormals(x.astype(x_dtype))
-
-
 def _zero_points(rng, shape, qdtype, *, oracle_safe):
   """Random in-range zero points, biased to the range's ends; 0 where oracles need it."""
   if qdtype in FLOAT8_DTYPES or (qdtype == FLOAT4 and oracle_safe):
     return np.zeros(shape, qdtype)  # R3
   if qdtype == FLOAT4:
-    grid = _grid(FLOAT4)
+    grid = float_grid(FLOAT4)
     return grid[rng.integers(0, len(grid), shape)].astype(FLOAT4)
   info = ml_dtypes.iinfo(qdtype)
   uniform = rng.integers(info.min, info.max, shape, endpoint=True, dtype=np.int64)
-  ends = _pick(rng, np.array([info.min, info.max, 0]), shape)
+  ends = pick(rng, np.array([info.min, info.max, 0]), shape)
   return np.where(rng.random(shape) < 0.3, ends, uniform).astype(qdtype)
 
 
@@ -513,34 +263,6 @@ def _call(function, style, *arrays, **static):
   return jax.jit(functools.partial(function, **static))(*arrays)
 
 
-def _assert_bits(actual, expected, *, context, inputs, deviating=None, spec=None):
-  """Bitwise equality; where ``deviating``, against ``spec`` instead of ``expected``."""
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype, context)
-  assert actual.shape == expected.shape, (actual.shape, expected.shape, context)
-  want = _bits(expected)
-  if deviating is not None and deviating.any():
-    want = np.where(deviating, _bits(spec), want)
-  got = _bits(actual)
-  if not _is_integer(actual.dtype) and actual.dtype != FLOAT4:
-    # The contract asks for a NaN, not for its sign or payload (N1): NaN-ness only.
-    want_value = want.view(actual.dtype).astype(np.float32)
-    both_nan = np.isnan(actual.astype(np.float32)) & np.isnan(want_value)
-    if np.any(both_nan & (got != want)):
-      hypothesis.event(f"NaN bits differ ({actual.dtype.name})")
-    got = np.where(both_nan, want, got)
-  if not np.array_equal(got, want):
-    rows = []
-    for index in map(tuple, np.argwhere(got != want)[:5]):
-      values = ", ".join(
-          f"{name}={value[index]!r}" for name, value in inputs.items() if value is not None)
-      source = "documented model" if deviating is not None and deviating[index] else "oracle"
-      rows.append(f"  at {index}: {values}, jaxquant={actual[index]!r} (bits "
-                  f"{got[index]:#x}), {source} bits {want[index]:#x}")
-    pytest.fail(f"{context}: {np.count_nonzero(got != want)} of {got.size} differ\n"
-                + "\n".join(rows))
-
-
 # ----------------------------------------------------------------------------
 # Randomized agreement.
 
@@ -552,16 +274,16 @@ def _quantize_cases(draw, qdtype):
       + [(x, s) for x in (F32, F16, BF16) for s in (F32, F16, BF16)]
   ))
   precision = draw(st.sampled_from([None, None, None, F32, F16, BF16]))
-  shape = draw(_shapes())
-  layout = draw(_layouts(shape))
+  shape = draw(shapes())
+  layout = draw(layouts_for(shape))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
   special_rate = draw(st.sampled_from([0.0, 0.0, 0.05, 0.3]))
-  scale = _scales(rng, layout.scale_shape, scale_dtype, special_rate)
+  scale = scales(rng, layout.scale_shape, scale_dtype, special_rate)
   zero_point = None
   if draw(st.booleans()):
     zero_point = _zero_points(rng, layout.scale_shape, qdtype, oracle_safe=False)
   zero_point_full = None if zero_point is None else layout.full(zero_point).astype(np.float64)
-  x = _quantize_inputs(rng, qdtype, x_dtype, layout.full(scale), zero_point_full, special_rate)
+  x = quantize_inputs(rng, qdtype, x_dtype, layout.full(scale), zero_point_full, special_rate)
   static = {"axis": layout.axis, "block_size": layout.block_size}
   if zero_point is None or draw(st.booleans()):
     if qdtype != np.dtype(np.uint8) or draw(st.booleans()):
@@ -574,30 +296,31 @@ def _quantize_cases(draw, qdtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qdtype", QUANTIZE_DTYPES, ids=lambda d: d.name)
-@hypothesis.settings(max_examples=_examples(0.75))
-@hypothesis.given(data=st.data())
-def test_quantize_matches_oracles(qdtype, data):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("qdtype", QUANTIZE_DTYPES, ids=dtype_name)
+@given_per_implementation(0.75, 0.05, data=st.data())
+def test_quantize_matches_oracles(qdtype, implementation, data):
   x, scale, zero_point, layout, static, style = data.draw(_quantize_cases(qdtype))
   arrays = (x, scale) if zero_point is None else (x, scale, zero_point)
-  actual = np.asarray(_call(jq.quantize_linear, style, *arrays, **static))
+  actual = np.asarray(_call(jq.quantize_linear, style, *arrays, implementation=implementation,
+                            **static))
 
-  precision = _division_precision(scale.dtype, static.get("precision"))
+  precision = division_precision(scale.dtype, static.get("precision"))
   scale_full = np.asarray(layout.full(scale))
   zero_point_full = None if zero_point is None else layout.full(zero_point).astype(np.float64)
   with np.errstate(all="ignore"):
-    quotient = _quotient(x, scale_full, precision)
-    spec = _spec_quantize(quotient, zero_point_full, qdtype, static.get("saturate", True))
-  if _is_integer(qdtype) and np.any(quotient - np.floor(quotient) == 0.5):
+    quotient = ieee_quotient(x, scale_full, precision)
+    spec = spec_quantize(quotient, zero_point_full, qdtype, static.get("saturate", True))
+  if is_integer(qdtype) and np.any(quotient - np.floor(quotient) == 0.5):
     hypothesis.event("exact .5 ties")
   onnx_scale, attributes = layout.onnx(scale)
   onnx_zero_point, _ = layout.onnx(zero_point)
   if "output_dtype" in static:
-    attributes["output_dtype"] = _tensor_type(qdtype)
+    attributes["output_dtype"] = tensor_type(qdtype)
   if qdtype in FLOAT8_DTYPES:
     attributes["saturate"] = int(static.get("saturate", True))
   inputs = {"x": x, "scale": onnx_scale, "zero_point": onnx_zero_point}
-  context = f"quantize_linear to {qdtype.name}, {layout}, {static}, {style}"
+  context = f"quantize_linear to {qdtype.name}, {layout}, {static}, {style}, {implementation}"
   report = {"x": x, "scale": scale_full, "zero_point": zero_point_full}
 
   ran = 0
@@ -608,8 +331,8 @@ def test_quantize_matches_oracles(qdtype, data):
     if old_onnxruntime and x.size == 0 and layout.kind in ("blocked", "broadcast"):
       continue  # O4: the process would crash.
     deviating = None
-    if _is_integer(qdtype) and (oracle == REFERENCE or old_onnxruntime and (
-        qdtype in SMALL_INT_DTYPES or x.dtype == F16
+    if is_integer(qdtype) and (oracle == REFERENCE or old_onnxruntime and (
+        qdtype in SUB_BYTE_INTEGER_DTYPES or x.dtype == F16
         or layout.kind in ("blocked", "broadcast"))):
       deviating = _int32_unsafe(quotient, zero_point_full)  # R1, O1, O2
     band = _ONNXRUNTIME_FLOAT8_OVERFLOW_BANDS.get(qdtype)
@@ -623,11 +346,11 @@ def test_quantize_matches_oracles(qdtype, data):
         deviating |= (quotient == 0) & np.signbit(quotient) & (zero_point_full == 0)  # R5
     oracle_attributes = dict(attributes)
     if oracle == REFERENCE:
-      oracle_attributes["precision"] = _tensor_type(precision)  # R8
+      oracle_attributes["precision"] = tensor_type(precision)  # R8
     elif "precision" in static:
-      oracle_attributes["precision"] = _tensor_type(precision)
+      oracle_attributes["precision"] = tensor_type(precision)
     expected = _run(oracle, "QuantizeLinear", inputs, qdtype, **oracle_attributes)
-    _assert_bits(actual, expected, context=f"{oracle}: {context}", inputs=report,
+    assert_matches_oracle(actual, expected, context=f"{oracle}: {context}", inputs=report,
                  deviating=deviating, spec=spec)
     ran += 1
   assert ran, "every drawn case has at least the reference as an oracle"
@@ -637,15 +360,15 @@ def test_quantize_matches_oracles(qdtype, data):
 def _dequantize_cases(draw, qdtype):
   scale_dtype = draw(st.sampled_from([F32, F32, F16, F16, BF16]))
   output_dtype = draw(st.sampled_from([None, None, F32, F16, BF16]))
-  shape = draw(_shapes())
-  layout = draw(_layouts(shape))
+  shape = draw(shapes())
+  layout = draw(layouts_for(shape))
   rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
   special_rate = draw(st.sampled_from([0.0, 0.05, 0.3]))
-  scale = _scales(rng, layout.scale_shape, scale_dtype, special_rate)
-  if _is_integer(qdtype):
+  scale = scales(rng, layout.scale_shape, scale_dtype, special_rate)
+  if is_integer(qdtype):
     info = ml_dtypes.iinfo(qdtype)
     x = rng.integers(info.min, info.max, shape, endpoint=True, dtype=np.int64)
-    x = np.where(rng.random(shape) < 0.2, _pick(rng, np.array([info.min, info.max]), shape), x)
+    x = np.where(rng.random(shape) < 0.2, pick(rng, np.array([info.min, info.max]), shape), x)
     if qdtype == INT32 and draw(st.booleans()):
       x = rng.integers(-(2**24), 2**24, shape, endpoint=True)  # exact in float32
     x = x.astype(qdtype)
@@ -662,26 +385,27 @@ def _dequantize_cases(draw, qdtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qdtype", DEQUANTIZE_DTYPES, ids=lambda d: d.name)
-@hypothesis.settings(max_examples=_examples(0.75))
-@hypothesis.given(data=st.data())
-def test_dequantize_matches_oracles(qdtype, data):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("qdtype", DEQUANTIZE_DTYPES, ids=dtype_name)
+@given_per_implementation(0.75, 0.05, data=st.data())
+def test_dequantize_matches_oracles(qdtype, implementation, data):
   x, scale, zero_point, layout, static, style = data.draw(_dequantize_cases(qdtype))
   arrays = (x, scale) if zero_point is None else (x, scale, zero_point)
-  actual = np.asarray(_call(jq.dequantize_linear, style, *arrays, **static))
+  actual = np.asarray(_call(jq.dequantize_linear, style, *arrays,
+                            implementation=implementation, **static))
 
   output_dtype = static.get("output_dtype")
   out = np.dtype(output_dtype or scale.dtype)
   scale_full = np.asarray(layout.full(scale))
   zero_point_full = None if zero_point is None else np.asarray(layout.full(zero_point))
   with np.errstate(all="ignore"):
-    spec = _spec_dequantize(x, scale_full, zero_point_full, out)
+    spec = spec_dequantize(x, scale_full, zero_point_full, out)
   onnx_scale, attributes = layout.onnx(scale)
   onnx_zero_point, _ = layout.onnx(zero_point)
   if output_dtype is not None:
-    attributes["output_dtype"] = _tensor_type(output_dtype)
+    attributes["output_dtype"] = tensor_type(output_dtype)
   inputs = {"x": x, "scale": onnx_scale, "zero_point": onnx_zero_point}
-  context = f"dequantize_linear from {qdtype.name}, {layout}, {static}, {style}"
+  context = f"dequantize_linear from {qdtype.name}, {layout}, {static}, {style}, {implementation}"
   report = {"x": x, "scale": scale_full, "zero_point": zero_point_full}
 
   for oracle in ORACLES:
@@ -700,7 +424,7 @@ def test_dequantize_matches_oracles(qdtype, data):
       # all-zero zero point is no zero point.
       oracle_inputs = dict(inputs, zero_point=None)
     expected = _run(oracle, "DequantizeLinear", oracle_inputs, out, **attributes)
-    _assert_bits(actual, expected, context=f"{oracle}: {context}", inputs=report,
+    assert_matches_oracle(actual, expected, context=f"{oracle}: {context}", inputs=report,
                  deviating=deviating, spec=spec)
 
 
@@ -713,36 +437,42 @@ def _quantize_both(x, scale, zero_point=None, *, qdtype, oracles=ORACLES, **attr
   inputs = {"x": np.asarray(x), "scale": np.asarray(scale),
             "zero_point": None if zero_point is None else np.asarray(zero_point)}
   if zero_point is None:
-    attributes["output_dtype"] = _tensor_type(qdtype)
+    attributes["output_dtype"] = tensor_type(qdtype)
   return {oracle: _run(oracle, "QuantizeLinear", inputs, qdtype, **attributes)
           for oracle in oracles}
 
 
-def test_r1_reference_int32_intermediate():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r1_reference_int32_intermediate(implementation):
   x = np.array([np.inf, 3e9, 2.0**31, -np.inf, np.nan, 2.0**31 - 128], np.float32)
   one, int8 = np.float32(1), np.dtype(np.int8)
   spec = [127, 127, 127, -128, -128, 127]
   reference = _quantize_both(x, one, qdtype=int8, oracles=[REFERENCE])[REFERENCE]
   np.testing.assert_array_equal(reference, [-128, -128, -128, -128, -128, 127])
-  np.testing.assert_array_equal(jq.quantize_linear(x, one, output_dtype=jnp.int8), spec)
+  np.testing.assert_array_equal(jq.quantize_linear(x, one, output_dtype=jnp.int8,
+                                                   implementation=implementation), spec)
   # A negative zero point wraps INT32_MIN around to the maximum.
   zero_point = np.int8(-1)
   reference = _quantize_both(x, one, zero_point, qdtype=int8, oracles=[REFERENCE])[REFERENCE]
   np.testing.assert_array_equal(reference, [127] * 6)
-  np.testing.assert_array_equal(jq.quantize_linear(x, one, zero_point), spec)
+  np.testing.assert_array_equal(jq.quantize_linear(x, one, zero_point,
+                                                   implementation=implementation), spec)
 
 
-def test_onnx_example_divides_in_the_scale_dtype():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_onnx_example_divides_in_the_scale_dtype(implementation):
   # float16 4640 / float16 0.1875 = 24746.67 -> 24752 in float16; - 2665.
   x, scale, zero_point = np.array([4640], F16), np.array(0.1875, F16), np.array(-2665, np.int16)
   got = _quantize_both(x, scale, zero_point, qdtype=np.dtype(np.int16))
   for oracle in ORACLES:
     np.testing.assert_array_equal(got[oracle], [22087])
-  np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point), [22087])
+  np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point,
+                                                   implementation=implementation), [22087])
 
 
-@pytest.mark.parametrize("out", [F16, BF16], ids=lambda d: d.name)
-def test_dequantize_rounds_once_to_the_output_dtype(out):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("out", [F16, BF16], ids=dtype_name)
+def test_dequantize_rounds_once_to_the_output_dtype(out, implementation):
   # ONNX: the output type "also determines the precision of the
   # multiplication". Both oracles form the product in float32 and round it
   # once; in the output dtype, x - zp would be rounded first (2051 -> 2052 in
@@ -756,29 +486,33 @@ def test_dequantize_rounds_once_to_the_output_dtype(out):
   assert not np.array_equal(once.astype(np.float32), twice.astype(np.float32))
   inputs = {"x": x, "scale": scale, "zero_point": zero_point}
   for oracle in ORACLES if out == F16 else [REFERENCE]:  # onnxruntime: no bfloat16
-    np.testing.assert_array_equal(_bits(_run(oracle, "DequantizeLinear", inputs, out)),
-                                  _bits(once))
-  np.testing.assert_array_equal(_bits(jq.dequantize_linear(x, scale, zero_point)), _bits(once))
+    np.testing.assert_array_equal(bits(_run(oracle, "DequantizeLinear", inputs, out)),
+                                  bits(once))
+  y = jq.dequantize_linear(x, scale, zero_point, implementation=implementation)
+  np.testing.assert_array_equal(bits(y), bits(once))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("scale_shape, zero_point_shape", [((), (1,)), ((1,), ())])
-def test_per_tensor_scale_and_zero_point_of_different_ranks(scale_shape, zero_point_shape):
+def test_per_tensor_scale_and_zero_point_of_different_ranks(scale_shape, zero_point_shape,
+                                                           implementation):
   # As ONNX's own test models write them; both oracles accept the pair.
   x = np.array([[-1.0, 0.25], [2.5, 100.0], [np.nan, -np.inf]], np.float32)
   scale = np.full(scale_shape, 0.5, np.float32)
   zero_point = np.full(zero_point_shape, 3, np.int8)
-  q = np.asarray(jq.quantize_linear(x, scale, zero_point))
-  y = np.asarray(jq.dequantize_linear(q, scale, zero_point))
+  q = np.asarray(jq.quantize_linear(x, scale, zero_point, implementation=implementation))
+  y = np.asarray(jq.dequantize_linear(q, scale, zero_point, implementation=implementation))
   for oracle in ORACLES:
     inputs = {"x": x, "scale": scale, "zero_point": zero_point}
     np.testing.assert_array_equal(_run(oracle, "QuantizeLinear", inputs, np.int8)[:2], q[:2])
     inputs["x"] = q
-    np.testing.assert_array_equal(_bits(_run(oracle, "DequantizeLinear", inputs, F32)), _bits(y))
+    np.testing.assert_array_equal(bits(_run(oracle, "DequantizeLinear", inputs, F32)), bits(y))
   np.testing.assert_array_equal(q[2], [-128, -128])  # NaN, -inf: the oracles here are R1's
 
 
-@pytest.mark.parametrize("scale_dtype", [F16, BF16], ids=lambda d: d.name)
-def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("scale_dtype", [F16, BF16], ids=dtype_name)
+def test_r8_reference_promotes_mixed_dtypes(scale_dtype, implementation):
   x = np.array([4640.3, 1000.1, 3.3], np.float32)
   scale, zero_point = np.array(0.1875, scale_dtype), np.array(-2665, np.int16)
   in_scale_dtype = np.rint(
@@ -789,7 +523,8 @@ def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
   reference = _quantize_both(x, scale, zero_point, qdtype=np.dtype(np.int16),
                              oracles=[REFERENCE])[REFERENCE]
   np.testing.assert_array_equal(reference, promoted)
-  np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point), in_scale_dtype)
+  np.testing.assert_array_equal(jq.quantize_linear(x, scale, zero_point,
+                                                   implementation=implementation), in_scale_dtype)
   if scale_dtype == F16 and not onnx_oracle.onnxruntime_before("1.32.0"):
     onnxruntime_result = _quantize_both(x, scale, zero_point, qdtype=np.dtype(np.int16),
                                         oracles=[ONNXRUNTIME])[ONNXRUNTIME]
@@ -797,39 +532,42 @@ def test_r8_reference_promotes_mixed_dtypes(scale_dtype):
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=_examples(0.5))
-@hypothesis.given(data=st.data())
-def test_int32_input_matches_the_reference(data):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(0.5, 0.05, data=st.data())
+def test_int32_input_matches_the_reference(implementation, data):
   # Requantizing int32 accumulators; |x| <= 2**24 is exact in float32, where the
   # reference's float64 division (R9) agrees.
-  qdtype = data.draw(st.sampled_from(INT_DTYPES + FLOAT8_DTYPES), label="qdtype")
-  shape = data.draw(_shapes())
-  layout = data.draw(_layouts(shape))
+  qdtype = data.draw(st.sampled_from(INTEGER_DTYPES_TO_16_BITS + FLOAT8_DTYPES), label="qdtype")
+  shape = data.draw(shapes())
+  layout = data.draw(layouts_for(shape))
   rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
   x = rng.integers(-(2**24), 2**24, shape, endpoint=True).astype(np.int32)
-  scale = _scales(rng, layout.scale_shape, F32, 0.0)
+  scale = scales(rng, layout.scale_shape, F32, 0.0)
   zero_point = _zero_points(rng, layout.scale_shape, qdtype, oracle_safe=True)
   static = {"axis": layout.axis, "block_size": layout.block_size}
-  actual = np.asarray(jq.quantize_linear(x, scale, zero_point, **static))
+  actual = np.asarray(jq.quantize_linear(x, scale, zero_point, implementation=implementation,
+                                         **static))
   onnx_scale, attributes = layout.onnx(scale)
   onnx_zero_point, _ = layout.onnx(zero_point)
   if qdtype in FLOAT8_DTYPES:
     onnx_zero_point = None  # R3
-    attributes["output_dtype"] = _tensor_type(qdtype)
+    attributes["output_dtype"] = tensor_type(qdtype)
   expected = _run(REFERENCE, "QuantizeLinear",
                   {"x": x, "scale": onnx_scale, "zero_point": onnx_zero_point}, qdtype,
                   opset=28, **attributes)
   scale_full = np.asarray(layout.full(scale))
   zero_point_full = layout.full(zero_point).astype(np.float64)
   with np.errstate(all="ignore"):
-    quotient = _quotient(x, scale_full, F32)
-    spec = _spec_quantize(quotient, zero_point_full, qdtype)
-  deviating = _int32_unsafe(quotient, zero_point_full) if _is_integer(qdtype) else None  # R1
-  _assert_bits(actual, expected, context=f"int32 x to {qdtype.name}, {layout}",
-               inputs={"x": x, "scale": scale_full}, deviating=deviating, spec=spec)
+    quotient = ieee_quotient(x, scale_full, F32)
+    spec = spec_quantize(quotient, zero_point_full, qdtype)
+  deviating = _int32_unsafe(quotient, zero_point_full) if is_integer(qdtype) else None  # R1
+  assert_matches_oracle(
+      actual, expected, context=f"int32 x to {qdtype.name}, {layout}, {implementation}",
+      inputs={"x": x, "scale": scale_full}, deviating=deviating, spec=spec)
 
 
-def test_r9_reference_divides_int32_in_float64():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r9_reference_divides_int32_in_float64(implementation):
   # x = 1024 * 16384.5 + 1 needs 25 bits: float32 rounds it to the tie
   # 1024 * 16384.5, which rounds to even; float64 keeps the + 1.
   x = np.array([16777729, -16777729], np.int32)
@@ -840,86 +578,100 @@ def test_r9_reference_divides_int32_in_float64():
   got = _run(REFERENCE, "QuantizeLinear", {"x": x, "scale": np.asarray(scale)}, np.int16,
              opset=28, output_dtype=onnx.TensorProto.INT16)
   np.testing.assert_array_equal(got, promoted)
-  np.testing.assert_array_equal(jq.quantize_linear(x, scale, output_dtype=jnp.int16), in_float32)
+  np.testing.assert_array_equal(jq.quantize_linear(x, scale, output_dtype=jnp.int16,
+                                                   implementation=implementation), in_float32)
 
 
-@pytest.mark.parametrize("qdtype", FLOAT8_DTYPES, ids=lambda d: d.name)
-def test_r3_float8_zero_point(qdtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("qdtype", FLOAT8_DTYPES, ids=dtype_name)
+def test_r3_float8_zero_point(qdtype, implementation):
   x = np.array([1.0, 2.0, -3.0], np.float32)
   scale, zero_point = np.float32(1), np.array(1.0, qdtype)
   got = _quantize_both(x, scale, zero_point, qdtype=qdtype)
   for oracle in ORACLES:  # Both ignore it...
     np.testing.assert_array_equal(got[oracle].astype(np.float32), x)
   np.testing.assert_array_equal(
-      np.asarray(jq.quantize_linear(x, scale, zero_point)).astype(np.float32), x + 1)
+      np.asarray(jq.quantize_linear(x, scale, zero_point,
+                                    implementation=implementation)).astype(np.float32), x + 1)
   x_quantized = x.astype(qdtype)
   for oracle in ORACLES:  # ...and refuse it when dequantizing.
     with pytest.raises(Exception, match="(?i)zero"):
       _run(oracle, "DequantizeLinear",
            {"x": x_quantized, "scale": np.array(scale), "zero_point": zero_point}, F32)
-  np.testing.assert_array_equal(jq.dequantize_linear(x_quantized, scale, zero_point), x - 1)
+  np.testing.assert_array_equal(jq.dequantize_linear(x_quantized, scale, zero_point,
+                                                     implementation=implementation), x - 1)
 
 
-def test_r3_reference_ignores_float4_zero_point_in_dequantize():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r3_reference_ignores_float4_zero_point_in_dequantize(implementation):
   x = np.array([1.0, -2.0, 6.0], FLOAT4)
   scale, zero_point = np.float32(0.5), np.array(1.0, FLOAT4)
   reference = _run(REFERENCE, "DequantizeLinear",
                    {"x": x, "scale": np.array(scale), "zero_point": zero_point}, F32)
   np.testing.assert_array_equal(reference, [0.5, -1.0, 3.0])
-  np.testing.assert_array_equal(jq.dequantize_linear(x, scale, zero_point), [0.0, -1.5, 2.5])
+  np.testing.assert_array_equal(
+      jq.dequantize_linear(x, scale, zero_point, implementation=implementation), [0.0, -1.5, 2.5])
 
 
-def test_r4_reference_int32_dequantize_in_float():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r4_reference_int32_dequantize_in_float(implementation):
   x = np.array([2**31 - 1, 16777217, -(2**31)], np.int32)
   zero_point = np.array([-1, 1, 1], np.int32)
   scale = np.ones(3, np.float32)
   inputs = {"x": x, "scale": scale, "zero_point": zero_point}
   # jaxquant: the exact int32 difference, wrapping around as onnxruntime does.
   spec = np.array([-(2.0**31), 16777216.0, 2.0**31 - 1], np.float32)
-  np.testing.assert_array_equal(jq.dequantize_linear(x, scale, zero_point, axis=0), spec)
+  np.testing.assert_array_equal(jq.dequantize_linear(x, scale, zero_point, axis=0,
+                                                     implementation=implementation), spec)
   np.testing.assert_array_equal(_run(ONNXRUNTIME, "DequantizeLinear", inputs, F32, axis=0), spec)
   np.testing.assert_array_equal(
       _run(REFERENCE, "DequantizeLinear", inputs, F32, axis=0),
       np.array([2.0**31, 16777215.0, -(2.0**31) - 1], np.float32))
 
 
-def test_r5_reference_float4_positive_zero_point_drops_negative_zero():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r5_reference_float4_positive_zero_point_drops_negative_zero(implementation):
   x = np.array([-0.0, -1.0], np.float32)
   scale, zero_point = np.float32(2), np.array(0.0, FLOAT4)
   reference = _quantize_both(x, scale, zero_point, qdtype=FLOAT4, oracles=[REFERENCE])
-  np.testing.assert_array_equal(_bits(reference[REFERENCE]), [0x0, 0x9])
+  np.testing.assert_array_equal(bits(reference[REFERENCE]), [0x0, 0x9])
   without = _quantize_both(x, scale, qdtype=FLOAT4, oracles=[REFERENCE])
-  np.testing.assert_array_equal(_bits(without[REFERENCE]), [0x8, 0x9])
-  actual = jq.quantize_linear(x, scale, zero_point)
-  np.testing.assert_array_equal(_bits(actual), [0x8, 0x9])
+  np.testing.assert_array_equal(bits(without[REFERENCE]), [0x8, 0x9])
+  actual = jq.quantize_linear(x, scale, zero_point, implementation=implementation)
+  np.testing.assert_array_equal(bits(actual), [0x8, 0x9])
   np.testing.assert_array_equal(
-      _bits(actual), _bits(jq.quantize_linear(x, scale, output_dtype=FLOAT4)))
+      bits(actual), bits(jq.quantize_linear(x, scale, output_dtype=FLOAT4,
+                                            implementation=implementation)))
 
 
-def test_r6_reference_float4_nan_is_zero():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r6_reference_float4_nan_is_zero(implementation):
   x = np.array([np.nan, np.inf, 0.0], np.float32)
   scale = np.array([1.0, np.inf, 0.0], np.float32)
   reference = _quantize_both(x, scale, qdtype=FLOAT4, oracles=[REFERENCE], axis=0)
   np.testing.assert_array_equal(np.abs(reference[REFERENCE].astype(np.float32)), [0.0] * 3)
-  actual = jq.quantize_linear(x, scale, axis=0, output_dtype=FLOAT4)
-  np.testing.assert_array_equal(_bits(actual), [0x7] * 3)  # +6: ONNX's float4 Cast table
+  actual = jq.quantize_linear(x, scale, axis=0, output_dtype=FLOAT4, implementation=implementation)
+  np.testing.assert_array_equal(bits(actual), [0x7] * 3)  # +6: ONNX's float4 Cast table
 
 
-def test_r7_reference_float8_empty_zero_point():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_r7_reference_float8_empty_zero_point(implementation):
   qdtype = np.dtype(ml_dtypes.float8_e4m3fn)
   x, scale = np.zeros((0,), qdtype), np.zeros((0,), np.float32)
   zero_point = np.zeros((0,), qdtype)
   with pytest.raises(ValueError, match="zero-size array"):
     _run(REFERENCE, "DequantizeLinear", {"x": x, "scale": scale, "zero_point": zero_point},
          F32, axis=0)
-  assert jq.dequantize_linear(x, scale, zero_point, axis=0).shape == (0,)
+  assert jq.dequantize_linear(x, scale, zero_point, axis=0,
+                              implementation=implementation).shape == (0,)
 
 
-@pytest.mark.parametrize("qdtype", INT_DTYPES, ids=lambda d: d.name)
-def test_o1_onnxruntime_int32_paths(qdtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("qdtype", INTEGER_DTYPES_TO_16_BITS, ids=dtype_name)
+def test_o1_onnxruntime_int32_paths(qdtype, implementation):
   info = ml_dtypes.iinfo(qdtype)
   x = np.array([np.inf, 3e9, 10.0, -np.inf], np.float32)
-  spec = jq.quantize_linear(x, np.float32(1), output_dtype=qdtype)
+  spec = jq.quantize_linear(x, np.float32(1), output_dtype=qdtype, implementation=implementation)
   np.testing.assert_array_equal(spec, [info.max, info.max, min(10, info.max), info.min])
   wrong = [info.min, info.min, min(10, info.max), info.min]
   if not onnx_oracle.onnxruntime_before("1.32.0"):
@@ -942,22 +694,26 @@ def test_o1_onnxruntime_int32_paths(qdtype):
                          oracles=[ONNXRUNTIME])
     fixed = not onnx_oracle.onnxruntime_before("1.32.0")
     np.testing.assert_array_equal(got[ONNXRUNTIME], [info.min if fixed else info.max])
-    np.testing.assert_array_equal(jq.quantize_linear(nan, np.float16(1), np.array(-1, qdtype)),
+    np.testing.assert_array_equal(jq.quantize_linear(nan, np.float16(1), np.array(-1, qdtype),
+                                                     implementation=implementation),
                                   [info.min])
 
 
-@pytest.mark.parametrize("qdtype", INT_DTYPES[2:4], ids=lambda d: d.name)
-def test_o2_onnxruntime_int4_tail(qdtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("qdtype", FOUR_BIT_INTEGER_DTYPES, ids=dtype_name)
+def test_o2_onnxruntime_int4_tail(qdtype, implementation):
   info = ml_dtypes.iinfo(qdtype)
   x = np.array([np.inf, np.inf, np.inf], np.float32)
   got = _quantize_both(x, np.float32(1), qdtype=qdtype, oracles=[ONNXRUNTIME])
   tail = info.min if onnx_oracle.onnxruntime_before("1.32.0") else info.max
   np.testing.assert_array_equal(got[ONNXRUNTIME], [info.max, info.max, tail])
-  np.testing.assert_array_equal(jq.quantize_linear(x, np.float32(1), output_dtype=qdtype),
+  np.testing.assert_array_equal(jq.quantize_linear(x, np.float32(1), output_dtype=qdtype,
+                                                   implementation=implementation),
                                 [info.max] * 3)
 
 
-def test_o3_onnxruntime_ignores_precision():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_o3_onnxruntime_ignores_precision(implementation):
   x = np.array([0.71044921875], F16)
   scale = np.array(0.021209716796875, F16)
   in_float32 = np.rint(x.astype(np.float32) / scale.astype(np.float32)).astype(np.int8)
@@ -968,7 +724,8 @@ def test_o3_onnxruntime_ignores_precision():
   np.testing.assert_array_equal(got[ONNXRUNTIME], in_float32 if ignored else in_float16)
   np.testing.assert_array_equal(got[REFERENCE], in_float16)
   np.testing.assert_array_equal(
-      jq.quantize_linear(x, scale, output_dtype=jnp.int8, precision=jnp.float16), in_float16)
+      jq.quantize_linear(x, scale, output_dtype=jnp.int8, precision=jnp.float16,
+                         implementation=implementation), in_float16)
 
 
 def test_o4_onnxruntime_blocked_quantize_of_empty_input_crashes():
@@ -987,12 +744,14 @@ def test_o4_onnxruntime_blocked_quantize_of_empty_input_crashes():
     assert result.returncode < 0, (result.returncode, result.stderr[-2000:])  # killed by a signal
   else:
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
-  y = jq.quantize_linear(np.ones((4, 0), np.float32), np.ones((2, 0), np.float32),
-                         axis=0, block_size=2)
-  assert y.shape == (4, 0) and y.dtype == np.uint8
+  for implementation in IMPLEMENTATIONS:
+    y = jq.quantize_linear(np.ones((4, 0), np.float32), np.ones((2, 0), np.float32),
+                           axis=0, block_size=2, implementation=implementation)
+    assert y.shape == (4, 0) and y.dtype == np.uint8
 
 
-def test_o5_onnxruntime_one_element_scale():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_o5_onnxruntime_one_element_scale(implementation):
   x = np.arange(6, dtype=np.float32)
   with pytest.raises(Exception, match="block_size must be 0 for per-tensor"):
     _run(ONNXRUNTIME, "QuantizeLinear", {"x": x, "scale": np.ones((1,), np.float32)},
@@ -1000,18 +759,21 @@ def test_o5_onnxruntime_one_element_scale():
   with pytest.raises(Exception, match="per axis"):
     _run(ONNXRUNTIME, "QuantizeLinear",
          {"x": x.reshape(2, 3), "scale": np.ones((1, 1), np.float32)}, np.uint8)
-  per_tensor = jq.quantize_linear(x, np.float32(1))
+  per_tensor = jq.quantize_linear(x, np.float32(1), implementation=implementation)
   np.testing.assert_array_equal(
-      jq.quantize_linear(x, np.ones((1,), np.float32), axis=0, block_size=6), per_tensor)
+      jq.quantize_linear(x, np.ones((1,), np.float32), axis=0, block_size=6,
+                         implementation=implementation), per_tensor)
   np.testing.assert_array_equal(
-      jq.quantize_linear(x.reshape(2, 3), np.ones((1, 1), np.float32)).ravel(), per_tensor)
+      jq.quantize_linear(x.reshape(2, 3), np.ones((1, 1), np.float32),
+                         implementation=implementation).ravel(), per_tensor)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("qdtype, wrong", [
     (np.dtype(ml_dtypes.float8_e4m3fn), [448.0, -448.0]),
     (np.dtype(ml_dtypes.float8_e5m2), [np.nan, np.nan]),
 ], ids=lambda v: getattr(v, "name", ""))
-def test_o6_onnxruntime_float8_overflow_band(qdtype, wrong):
+def test_o6_onnxruntime_float8_overflow_band(qdtype, wrong, implementation):
   low, high = _ONNXRUNTIME_FLOAT8_OVERFLOW_BANDS[qdtype]
   value = (low + high) / 2
   x = np.array([value, -value], np.float32)
@@ -1019,28 +781,31 @@ def test_o6_onnxruntime_float8_overflow_band(qdtype, wrong):
   got = _quantize_both(x, np.float32(1), zero_point, qdtype=qdtype, saturate=0)
   np.testing.assert_array_equal(got[ONNXRUNTIME].astype(np.float32), wrong)
   spec = x.astype(qdtype)  # IEEE: NaN for e4m3fn, +-inf for e5m2
-  np.testing.assert_array_equal(_bits(got[REFERENCE]), _bits(spec))
+  np.testing.assert_array_equal(bits(got[REFERENCE]), bits(spec))
   np.testing.assert_array_equal(
-      _bits(jq.quantize_linear(x, np.float32(1), zero_point, saturate=False)), _bits(spec))
+      bits(jq.quantize_linear(x, np.float32(1), zero_point, saturate=False,
+                              implementation=implementation)), bits(spec))
 
 
-def test_n1_fnuz_nan_sign():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_n1_fnuz_nan_sign(implementation):
   x = np.array([0x80], np.uint8).view(ml_dtypes.float8_e4m3fnuz)  # the only NaN
   scale = np.float32(1)
   for oracle in ORACLES:
     expected = _run(oracle, "DequantizeLinear", {"x": x, "scale": np.array(scale)}, F32)
-    np.testing.assert_array_equal(_bits(expected), [0xFFC00000])
-  assert np.isnan(jq.dequantize_linear(x, scale)).all()
+    np.testing.assert_array_equal(bits(expected), [0xFFC00000])
+  assert np.isnan(jq.dequantize_linear(x, scale, implementation=implementation)).all()
 
 
-def test_n1_nan_sign_is_not_compared():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_n1_nan_sign_is_not_compared(implementation):
   x, scale = np.array([np.inf, 0.0], F16), np.array([np.inf, 0.0], F16)
   qdtype = np.dtype(ml_dtypes.float8_e5m2)
   reference = _quantize_both(x, scale, qdtype=qdtype, oracles=[REFERENCE], axis=0, saturate=0,
                              precision=onnx.TensorProto.FLOAT16)[REFERENCE]
-  np.testing.assert_array_equal(_bits(reference) & 0x80, [0x80, 0x80])  # x86's -NaN
+  np.testing.assert_array_equal(bits(reference) & 0x80, [0x80, 0x80])  # x86's -NaN
   actual = jq.quantize_linear(x, scale, axis=0, output_dtype=qdtype, saturate=False,
-                              precision=jnp.float16)
+                              precision=jnp.float16, implementation=implementation)
   assert np.isnan(np.asarray(actual).astype(np.float32)).all()
   assert np.isnan(reference.astype(np.float32)).all()
 
@@ -1049,15 +814,17 @@ def test_n1_nan_sign_is_not_compared():
 # The harness itself: what it feeds must reach the node unchanged.
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("oracle", ORACLES)
-def test_float8_infinities_reach_the_oracles(oracle):
+def test_float8_infinities_reach_the_oracles(oracle, implementation):
   # A saturating input Cast would turn +-inf into +-57344 before the node.
   qdtype = np.dtype(ml_dtypes.float8_e5m2)
   x = np.array([np.inf, -np.inf, 1.0], qdtype)
   scale = np.array(2.0, np.float32)
   expected = _run(oracle, "DequantizeLinear", {"x": x, "scale": scale}, F32)
   np.testing.assert_array_equal(expected, [np.inf, -np.inf, 2.0])
-  np.testing.assert_array_equal(jq.dequantize_linear(x, scale), expected)
+  np.testing.assert_array_equal(jq.dequantize_linear(x, scale,
+                                                     implementation=implementation), expected)
 
 
 @pytest.mark.parametrize("oracle", ORACLES)
@@ -1074,30 +841,35 @@ def test_output_dtype_attribute_reaches_the_oracles(oracle):
 # remove the marker. J2-J5 are fixed; their tests pin the fix.
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.xfail(strict=True, reason="J1: XLA on CPU flushes float32 subnormals to zero")
 @pytest.mark.parametrize("oracle", ORACLES)
-def test_j1_subnormal_quantize(oracle):
+def test_j1_subnormal_quantize(oracle, implementation):
   tiny = np.float32(1e-45)  # the smallest subnormal: 7e-45 / tiny == 5 exactly
   x = np.array([7e-45, 1e-40], np.float32)
   zero_point = np.array(0, np.int16)
   expected = _quantize_both(x, tiny, zero_point, qdtype=np.dtype(np.int16),
                             oracles=[oracle])[oracle]
   np.testing.assert_array_equal(expected, [5, 32767])
-  np.testing.assert_array_equal(jq.quantize_linear(x, tiny, zero_point), expected)
+  np.testing.assert_array_equal(jq.quantize_linear(x, tiny, zero_point,
+                                                   implementation=implementation), expected)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.xfail(strict=True, reason="J1: XLA on CPU flushes float32 subnormals to zero")
 @pytest.mark.parametrize("oracle", ORACLES)
-def test_j1_subnormal_dequantize(oracle):
+def test_j1_subnormal_dequantize(oracle, implementation):
   tiny = np.float32(1e-45)
   x = np.array([3, -1], np.int8)
   expected = _run(oracle, "DequantizeLinear", {"x": x, "scale": np.array(tiny)}, F32)
-  np.testing.assert_array_equal(_bits(expected), _bits(np.float32([4e-45, -1e-45])))
-  np.testing.assert_array_equal(_bits(jq.dequantize_linear(x, tiny)), _bits(expected))
+  np.testing.assert_array_equal(bits(expected), bits(np.float32([4e-45, -1e-45])))
+  y = jq.dequantize_linear(x, tiny, implementation=implementation)
+  np.testing.assert_array_equal(bits(y), bits(expected))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("style", ["direct", "outer_jit"])
-def test_j2_bfloat16_precision(style):
+def test_j2_bfloat16_precision(style, implementation):
   x, scale = np.float32(-31.626669), np.float32(21.084446)
   # bfloat16: -31.625 / 21.125 = -1.4970... rounds to -1.5, and -1.5 to -2.
   # Unrounded (XLA may drop a bfloat16 cast pair), the quotient gives -1.
@@ -1106,7 +878,7 @@ def test_j2_bfloat16_precision(style):
                              precision=onnx.TensorProto.BFLOAT16)
   np.testing.assert_array_equal(reference[REFERENCE], -2)
   actual = _call(jq.quantize_linear, style, x, scale, output_dtype=jnp.int8,
-                 precision=jnp.bfloat16)
+                 precision=jnp.bfloat16, implementation=implementation)
   np.testing.assert_array_equal(actual, -2)
 
 
@@ -1115,32 +887,38 @@ _BOTH_OPS = pytest.mark.parametrize("function, x_dtype", [
     ids=["quantize", "dequantize"])
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @_BOTH_OPS
 @pytest.mark.parametrize("x_shape, scale_shape", [((0, 3), (2, 3)), ((2, 0, 6), (5, 3))])
-def test_j3_empty_dim_with_a_longer_scale_dim(function, x_dtype, x_shape, scale_shape):
+def test_j3_empty_dim_with_a_longer_scale_dim(function, x_dtype, x_shape, scale_shape,
+                                              implementation):
   # Block-wise broadcast: 0 is a multiple of 2 (and 5), so each scale element repeats 0 times.
-  y = function(np.zeros(x_shape, x_dtype), np.ones(scale_shape, np.float32))
+  y = function(np.zeros(x_shape, x_dtype), np.ones(scale_shape, np.float32),
+               implementation=implementation)
   assert y.shape == x_shape
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("saturate", [True, False])
-def test_j4_float4_nan_is_six(saturate):
+def test_j4_float4_nan_is_six(saturate, implementation):
   # ONNX's float4 Cast table: NaN -> +6, whatever its sign or zero point.
   x = np.array([np.nan, -np.nan, np.inf, 0.0, -np.inf], np.float32)
   scale = np.array([1.0, 1.0, np.inf, 0.0, -np.inf], np.float32)
   zero_point = np.array([0.0, -1.0, 2.0, 6.0, -6.0], FLOAT4)
   for arguments in [(x, scale), (x, scale, zero_point)]:
-    y = jq.quantize_linear(*arguments, axis=0, output_dtype=FLOAT4, saturate=saturate)
-    np.testing.assert_array_equal(_bits(y), [0x7] * 5)
+    y = jq.quantize_linear(*arguments, axis=0, output_dtype=FLOAT4, saturate=saturate,
+                           implementation=implementation)
+    np.testing.assert_array_equal(bits(y), [0x7] * 5)
   # R6: onnx.reference gives +-0 instead.
   reference = _quantize_both(x, scale, qdtype=FLOAT4, oracles=[REFERENCE], axis=0)
-  np.testing.assert_array_equal(_bits(reference[REFERENCE]) & 0x7, [0] * 5)
+  np.testing.assert_array_equal(bits(reference[REFERENCE]) & 0x7, [0] * 5)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @_BOTH_OPS
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_j5_blocked_empty_axis(function, x_dtype, block_size):
+def test_j5_blocked_empty_axis(function, x_dtype, block_size, implementation):
   # ceil(0 / block_size) == 0 blocks, so scale.shape[1] == 0 is the blocked layout.
   y = function(np.zeros((2, 0), x_dtype), np.ones((2, 0), np.float32), axis=1,
-               block_size=block_size)
+               block_size=block_size, implementation=implementation)
   assert y.shape == (2, 0)

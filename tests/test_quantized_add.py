@@ -5,7 +5,9 @@ com.microsoft QLinearAdd kernel (which folds the output zero point in before
 rounding, so it may differ by one at ties: A1 in docs/numerics.md, "Oracle
 deviations"), and the documented formula written out
 below in float32 NumPy for everything onnxruntime does not take (mixed and
-non-8-bit dtypes, non-finite scales).
+non-8-bit dtypes, non-finite scales). Each check runs on every implementation
+(``quant_testing.IMPLEMENTATIONS``; Pallas, in interpret mode on CPU, on fewer
+random shapes), except the compiled-HLO checks of XLA's fusion.
 """
 
 import itertools
@@ -14,7 +16,6 @@ from pathlib import Path
 import re
 import zlib
 
-import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,13 @@ import pytest
 
 import jaxquant as jq
 import onnx_oracle
-from test_linear import assert_bits_equal
+from quant_testing import assert_bits_equal
+from quant_testing import dtype_name
+from quant_testing import given_per_implementation
+from quant_testing import IMPLEMENTATIONS
 
 CONFORMANCE = Path(__file__).resolve().parent / "data" / "qlinear_add_cases.json"
 EIGHT_BIT = [jnp.int8, jnp.uint8]
-
-
-def _name(dtype):
-  return np.dtype(dtype).name
 
 
 def reference_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale,
@@ -87,8 +87,9 @@ def test_conformance_file_has_all_twelve_cases():
   assert len(_conformance_cases()) == 12
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", _conformance_cases())
-def test_onnxruntime_qlinear_add_vectors(case):
+def test_onnxruntime_qlinear_add_vectors(case, implementation):
   if case is None:
     pytest.fail(f"missing conformance vectors: {CONFORMANCE}")
   dtype = np.dtype(case["dataType"])
@@ -97,7 +98,7 @@ def test_onnxruntime_qlinear_add_vectors(case):
   y = jq.quantized_add(
       operand("A"), np.float32(case["A_scale"]), zero_point("A_zero_point"),
       operand("B"), np.float32(case["B_scale"]), zero_point("B_zero_point"),
-      np.float32(case["C_scale"]), zero_point("C_zero_point"),
+      np.float32(case["C_scale"]), zero_point("C_zero_point"), implementation=implementation,
   )
   assert_bits_equal(y, operand("expected"))
 
@@ -115,7 +116,8 @@ def run_qlinear_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scal
 
 
 @pytest.mark.slow
-def test_matches_onnxruntime_qlinear_add_within_one():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_matches_onnxruntime_qlinear_add_within_one(implementation):
   """Random data, scales, zero points and broadcast shapes against onnxruntime.
 
   onnxruntime adds the output zero point before rounding, so it may differ by
@@ -123,6 +125,9 @@ def test_matches_onnxruntime_qlinear_add_within_one():
   """
   rng = np.random.default_rng(2024)
   configurations = [_broadcastable_shapes(rng) for _ in range(40)]
+  if implementation == "pallas":
+    # Each new shape is a new interpret-mode kernel: a fifth of the small ones.
+    configurations = configurations[:8]
   # A few large ones, so that the mismatch rate is measured on 10**6 elements.
   configurations += [[(256, 512), (256, 512)], [(64, 1, 128), (1, 32, 128)],
                      [(100_000,), ()], [(), (3, 50_000)], [(512, 1024), (1024,)]]
@@ -133,7 +138,7 @@ def test_matches_onnxruntime_qlinear_add_within_one():
             _random_zero_point(rng, dtype), _random_operand(rng, dtype, b_shape),
             _random_scale(rng), _random_zero_point(rng, dtype), _random_scale(rng),
             _random_zero_point(rng, dtype))
-    actual = np.asarray(jq.quantized_add(*args))
+    actual = np.asarray(jq.quantized_add(*args, implementation=implementation))
     expected = run_qlinear_add(*args)
     assert actual.shape == expected.shape == np.broadcast_shapes(a_shape, b_shape)
     assert actual.dtype == dtype
@@ -146,19 +151,21 @@ def test_matches_onnxruntime_qlinear_add_within_one():
   assert mismatches * 10_000 < total, f"{mismatches} / {total} differ from onnxruntime"
 
 
-def test_tie_rounds_before_adding_the_zero_point():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_tie_rounds_before_adding_the_zero_point(implementation):
   a = np.array([1, 3, 5, -1, -3, -5, 7], np.int8)
   args = (a, np.float32(1), np.int8(0), np.int8(0), np.float32(1), np.int8(0),
           np.float32(2), np.int8(1))
   # (a / 2) rounds half to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, ... then + 1.
   expected = np.array([1, 3, 3, 1, -1, -1, 5], np.int8)
-  assert_bits_equal(jq.quantized_add(*args), expected)
+  assert_bits_equal(jq.quantized_add(*args, implementation=implementation), expected)
   assert_bits_equal(reference_add(*args, np.int8), expected)
   # onnxruntime rounds a / 2 + 1 instead: one off at every tie with an odd zero point.
   assert_bits_equal(run_qlinear_add(*args), np.array([2, 2, 4, 0, 0, -2, 4], np.int8))
 
 
-def test_onnxruntime_ties_differ_by_exactly_one():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_onnxruntime_ties_differ_by_exactly_one(implementation):
   # Power-of-two scales put a quarter of the sums on ties; with an odd output
   # zero point onnxruntime's order of operations moves each of them by one.
   rng = np.random.default_rng(5)
@@ -166,7 +173,7 @@ def test_onnxruntime_ties_differ_by_exactly_one():
     a, b = _random_operand(rng, dtype, 4096), _random_operand(rng, dtype, 4096)
     args = (a, np.float32(0.25), np.array(3, dtype), b, np.float32(0.5), np.array(5, dtype),
             np.float32(1.0), np.array(7, dtype))
-    actual = np.asarray(jq.quantized_add(*args)).astype(np.int64)
+    actual = np.asarray(jq.quantized_add(*args, implementation=implementation)).astype(np.int64)
     assert_bits_equal(actual.astype(dtype), reference_add(*args, dtype))
     difference = actual - run_qlinear_add(*args)
     assert set(np.unique(difference)) <= {-1, 0, 1}
@@ -177,32 +184,35 @@ def test_onnxruntime_ties_differ_by_exactly_one():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("a_dtype, b_dtype, out_dtype",
                          list(itertools.product(EIGHT_BIT, repeat=3)) + [
                              (jnp.int4, jnp.int4, jnp.int4), (jnp.uint4, jnp.int4, jnp.uint8),
                              (jnp.int16, jnp.int16, jnp.int16), (jnp.int8, jnp.int16, jnp.int4),
                              (jnp.uint16, jnp.uint8, jnp.int16), (jnp.int4, jnp.uint16, jnp.uint4),
-                         ], ids=lambda d: _name(d))
-def test_mixed_dtypes_match_spec_formula(a_dtype, b_dtype, out_dtype):
+                         ], ids=lambda d: dtype_name(d))
+def test_mixed_dtypes_match_spec_formula(a_dtype, b_dtype, out_dtype, implementation):
   # A seed of the dtype names: str hashes change from run to run.
-  rng = np.random.default_rng(zlib.crc32(f"{_name(a_dtype)}{_name(b_dtype)}{_name(out_dtype)}"
-                                         .encode()))
+  names = "".join(dtype_name(d) for d in (a_dtype, b_dtype, out_dtype))
+  rng = np.random.default_rng(zlib.crc32(names.encode()))
   for _ in range(3):
     a_shape, b_shape = _broadcastable_shapes(rng)
     args = (_random_operand(rng, a_dtype, a_shape), _random_scale(rng),
             _random_zero_point(rng, a_dtype), _random_operand(rng, b_dtype, b_shape),
             _random_scale(rng), _random_zero_point(rng, b_dtype), _random_scale(rng),
             _random_zero_point(rng, out_dtype))
-    assert_bits_equal(jq.quantized_add(*args), reference_add(*args, out_dtype))
+    assert_bits_equal(jq.quantized_add(*args, implementation=implementation),
+                      reference_add(*args, out_dtype))
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=40)
-@hypothesis.given(
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(
+    40, 8,
     dtypes=st.tuples(*[st.sampled_from([jnp.int8, jnp.uint8, jnp.int4, jnp.int16])] * 3),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_random_shapes_and_dtypes_match_spec_formula(dtypes, seed):
+def test_random_shapes_and_dtypes_match_spec_formula(implementation, dtypes, seed):
   rng = np.random.default_rng(seed)
   a_dtype, b_dtype, out_dtype = dtypes
   a_shape, b_shape = _broadcastable_shapes(rng, max_rank=5, max_dim=4)
@@ -210,22 +220,26 @@ def test_random_shapes_and_dtypes_match_spec_formula(dtypes, seed):
           _random_zero_point(rng, a_dtype), _random_operand(rng, b_dtype, b_shape),
           _random_scale(rng), _random_zero_point(rng, b_dtype), _random_scale(rng),
           _random_zero_point(rng, out_dtype))
-  assert_bits_equal(jq.quantized_add(*args), reference_add(*args, out_dtype))
+  assert_bits_equal(jq.quantized_add(*args, implementation=implementation),
+                    reference_add(*args, out_dtype))
 
 
-@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16], ids=_name)
-def test_half_precision_scales_are_used_in_float32(scale_dtype):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16], ids=dtype_name)
+def test_half_precision_scales_are_used_in_float32(scale_dtype, implementation):
   rng = np.random.default_rng(9)
   a, b = _random_operand(rng, np.int8, 500), _random_operand(rng, np.int8, 500)
   scales = [np.asarray(s, scale_dtype) for s in (0.0123, 0.0456, 0.0789)]
   args = (a, scales[0], np.int8(3), b, scales[1], np.int8(-7), scales[2], np.int8(1))
-  assert_bits_equal(jq.quantized_add(*args), reference_add(*args, np.int8))
+  assert_bits_equal(jq.quantized_add(*args, implementation=implementation),
+                    reference_add(*args, np.int8))
 
 
-def test_output_dtype_resolution():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_output_dtype_resolution(implementation):
   a, b = np.array([10, 20], np.int8), np.array([1, 2], np.uint8)
   add = lambda out_zero_point, **kwargs: jq.quantized_add(
-      a, 1.0, None, b, 1.0, None, 1.0, out_zero_point, **kwargs)
+      a, 1.0, None, b, 1.0, None, 1.0, out_zero_point, implementation=implementation, **kwargs)
   # out_zero_point's dtype, else output_dtype, else a's dtype.
   assert add(np.uint8(5)).dtype == jnp.uint8
   assert add(np.uint8(5), output_dtype=jnp.uint8).dtype == jnp.uint8
@@ -237,30 +251,36 @@ def test_output_dtype_resolution():
   assert add(np.uint8(5)).tolist() == [16, 27]
 
 
-def test_none_zero_points_mean_zero():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_none_zero_points_mean_zero(implementation):
   rng = np.random.default_rng(4)
   a, b = _random_operand(rng, np.int8, 300), _random_operand(rng, np.int8, 300)
   zero = np.int8(0)
-  with_zeros = jq.quantized_add(a, 0.02, zero, b, 0.03, zero, 0.04, zero)
-  assert_bits_equal(jq.quantized_add(a, 0.02, None, b, 0.03, None, 0.04), with_zeros)
-  assert_bits_equal(jq.quantized_add(a, 0.02, None, b, 0.03, zero, 0.04, None), with_zeros)
+  with_zeros = jq.quantized_add(a, 0.02, zero, b, 0.03, zero, 0.04, zero,
+                                implementation=implementation)
+  assert_bits_equal(jq.quantized_add(a, 0.02, None, b, 0.03, None, 0.04,
+                                     implementation=implementation), with_zeros)
+  assert_bits_equal(jq.quantized_add(a, 0.02, None, b, 0.03, zero, 0.04, None,
+                                     implementation=implementation), with_zeros)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("a_shape, b_shape", [
     ((), ()), ((), (4,)), ((3, 1), ()), ((0,), ()), ((0, 3), (3,)), ((2, 0), (1,)),
     ((2, 1, 3), (4, 1)), ((1,), (5,)), ((5,), (1, 1, 1)),
 ], ids=str)
-def test_broadcasting(a_shape, b_shape):
+def test_broadcasting(a_shape, b_shape, implementation):
   rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
   args = (_random_operand(rng, np.uint8, a_shape), np.float32(0.05), np.uint8(128),
           _random_operand(rng, np.int8, b_shape), np.float32(0.07), np.int8(-3),
           np.float32(0.1), np.int8(2))
-  y = jq.quantized_add(*args)
+  y = jq.quantized_add(*args, implementation=implementation)
   assert y.shape == np.broadcast_shapes(a_shape, b_shape)
   assert_bits_equal(y, reference_add(*args, np.int8))
 
 
-def test_non_finite_values_follow_quantize_linear():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_non_finite_values_follow_quantize_linear(implementation):
   a = np.array([5, 0, -5, 5, 0, 1], np.int8)
   b = np.array([0, 0, 0, -5, 0, 0], np.int8)
   zero = np.int8(0)
@@ -281,14 +301,15 @@ def test_non_finite_values_follow_quantize_linear():
       ((a, 1.0, zero, b, 1.0, zero, nan, np.int8(9)), [qmin] * 6),
   ]
   for args, expected in cases:
-    y = jq.quantized_add(*args)
+    y = jq.quantized_add(*args, implementation=implementation)
     assert y.tolist() == expected, args
     assert_bits_equal(y, reference_add(*args, np.int8))
 
 
-def test_unsigned_non_finite_minimum_is_zero():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unsigned_non_finite_minimum_is_zero(implementation):
   y = jq.quantized_add(np.uint8([3, 0]), np.float32(np.nan), None, np.uint8([1, 1]), 1.0,
-                       None, 1.0, np.uint8(200))
+                       None, 1.0, np.uint8(200), implementation=implementation)
   assert y.tolist() == [0, 0]
 
 
@@ -336,13 +357,15 @@ def test_one_fusion_check_counts_separate_passes():
     _assert_one_fusion(lambda a: jnp.sort(a.astype(jnp.float32) * 2, axis=0), a)
 
 
-def test_jit_vmap_and_no_retrace():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_jit_vmap_and_no_retrace(implementation):
   rng = np.random.default_rng(8)
   a, b = _random_operand(rng, np.int8, (4, 5, 6)), _random_operand(rng, np.uint8, (4, 6))
   scales = rng.uniform(0.01, 0.1, (4, 3)).astype(np.float32)
   zero_points = _random_operand(rng, np.int8, (4,))
 
-  mapped = jax.vmap(lambda a, b, s, z: jq.quantized_add(a, s[0], z, b, s[1], None, s[2], z))(
+  mapped = jax.vmap(lambda a, b, s, z: jq.quantized_add(a, s[0], z, b, s[1], None, s[2], z,
+                                                        implementation=implementation))(
       a, b, scales, zero_points)
   for i in range(4):
     args = (a[i], scales[i, 0], zero_points[i], b[i], scales[i, 1], np.uint8(0), scales[i, 2],
@@ -354,14 +377,15 @@ def test_jit_vmap_and_no_retrace():
   @jax.jit
   def model(a, b, s, z):
     traces.append(None)
-    return jq.quantized_add(a, s, z, b, s, None, s, z)
+    return jq.quantized_add(a, s, z, b, s, None, s, z, implementation=implementation)
 
   for i in range(3):
     model(a[i], b[i], scales[i, 0], zero_points[i])
   assert len(traces) == 1
   before = jq.quantized_add._cache_size()
   for i in range(3):
-    jq.quantized_add(a[i], scales[i, 0], zero_points[i], b[i], scales[i, 1], None, scales[i, 2])
+    jq.quantized_add(a[i], scales[i, 0], zero_points[i], b[i], scales[i, 1], None, scales[i, 2],
+                     implementation=implementation)
   assert jq.quantized_add._cache_size() <= before + 1
 
 
@@ -398,14 +422,14 @@ def test_non_scalar_zero_point(name):
 
 
 @pytest.mark.parametrize("name", ["a", "b"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=_name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=dtype_name)
 def test_float_operand(name, dtype):
   with pytest.raises(TypeError, match=rf"quantized_add: {name}\.dtype must be .*got float"):
     _add(**{name: np.zeros((2, 3), dtype)})
 
 
 @pytest.mark.parametrize("name", ["a", "b"])
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=_name)
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=dtype_name)
 def test_float8_operand(name, dtype):
   with pytest.raises(TypeError,
                      match=rf"quantized_add: {name}\.dtype must be an integer quantized dtype"):
@@ -424,7 +448,7 @@ def test_out_zero_point_conflicts_with_output_dtype():
     _add(out_zero_point=np.int8(0), output_dtype=jnp.uint8)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn], ids=_name)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn], ids=dtype_name)
 def test_non_integer_output_dtype(dtype):
   with pytest.raises(TypeError, match=r"quantized_add: output_dtype must be"):
     _add(out_zero_point=None, output_dtype=dtype)
@@ -435,7 +459,7 @@ def test_integer_scale():
     _add(a_scale=np.int32(1))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_empty_operands(implementation):
   # Found by tests/test_fuzz.py: the kernel engine took the output shape as the
   # largest of each dim, so (0,) against the scalar parameters' (1,) became (1,).
@@ -448,7 +472,7 @@ def test_empty_operands(implementation):
   assert y.shape == (3, 0)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_products_are_rounded_before_the_sum(implementation):
   # Found by tests/test_fuzz.py: XLA:CPU contracted b_value + a_value into
   # fma(b - zb, b_scale, a_value), rounding once: here -60.166668 instead of
@@ -464,7 +488,8 @@ def test_products_are_rounded_before_the_sum(implementation):
   np.testing.assert_array_equal(y, np.full(4, expected, np.int8))
 
 
-def test_products_are_rounded_before_the_sum_with_constant_scales():
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_products_are_rounded_before_the_sum_with_constant_scales(implementation):
   # J6: LLVM proved isnan(product) false for constant scales, dropped that
   # second use of the product and contracted it into the sum again.
   a = np.full(4, 3, np.uint8).astype(jnp.uint4)
@@ -473,5 +498,6 @@ def test_products_are_rounded_before_the_sum_with_constant_scales():
   expected = np.clip(np.rint((np.float32(7.5) + np.float32(np.float32(-203) * third)) / third)
                      + 127, -128, 127).astype(np.int8)
   y = jax.jit(lambda a, b: jq.quantized_add(a, np.float32(2.5), np.zeros((), jnp.uint4), b,
-                                            third, np.int8(121), third, np.int8(127)))(a, b)
+                                            third, np.int8(121), third, np.int8(127),
+                                            implementation=implementation))(a, b)
   np.testing.assert_array_equal(y, np.full(4, expected, np.int8))
