@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -329,26 +330,61 @@ def quantize_formula(x, scale, zero_point, *, info, precision, saturate, codes=F
   return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate, codes=codes)
 
 
+def _lane_params(params, granularity, per_byte):
+  """Per lane ``k``, the parameters of ``x[..., k::per_byte]`` and their granularity.
+
+  The lanes share a byte, so they lie in one block along the last dim
+  when its blocks hold whole bytes, and share its parameters; one
+  parameter per element of the last dim is de-interleaved at its own size
+  (behind a barrier, so that XLA reads it contiguously rather than with a
+  stride per element). ``None`` when a block edge splits a byte.
+  """
+  blocks, block = granularity.param_shape[-1], granularity.block_shape[-1]
+  if blocks == 1:
+    lane_block, split = 1, False
+  elif block == 1:
+    lane_block, split = 1, True
+  elif block % per_byte == 0:
+    lane_block, split = block // per_byte, False
+  else:
+    return None
+  lane_blocks = blocks // per_byte if split else blocks
+  lane_granularity = dataclasses.replace(
+      granularity,
+      param_shape=granularity.param_shape[:-1] + (lane_blocks,),
+      block_shape=granularity.block_shape[:-1] + (lane_block,),
+  )
+  params = [None if p is None else jnp.reshape(p, granularity.param_shape) for p in params]
+  if not split:
+    return [params] * per_byte, lane_granularity
+  lanes = [[None if p is None else lax.optimization_barrier(p[..., k::per_byte]) for p in params]
+           for k in range(per_byte)]
+  return lanes, lane_granularity
+
+
 def _packed_quantize(formula, x, params, granularity, bits):
   """``pack(formula(x, *params))`` from uint8 codes, never holding a sub-byte array.
 
   When whole bytes lie within the last dim, the elements sharing a byte are
   the last dim's interleaved lanes ``x[..., k::per_byte]``: each lane is
   quantized on its own strided slice of x and the lanes are or-ed into
-  bytes in one fusion. Otherwise (bytes straddling rows, 6-bit codes
-  straddling bytes) the codes are computed and then packed.
+  bytes in one fusion. Otherwise (bytes straddling rows or blocks, 6-bit
+  codes straddling bytes) the codes are computed and then packed.
   """
-  params = _granularity.expand_params(params, granularity, x.shape)
   per_byte = 8 // bits if 8 % bits == 0 else 0
-  if not (per_byte and x.ndim and x.shape[-1] % per_byte == 0):
-    return _packing.pack_codes(formula(x, *params), bits)
-
-  def lane(p, k):
-    return p if p is None or p.shape[-1] == 1 else p[..., k::per_byte]
-
-  packed = formula(x[..., 0::per_byte], *(lane(p, 0) for p in params))
-  for k in range(1, per_byte):
-    packed = packed | (formula(x[..., k::per_byte], *(lane(p, k) for p in params)) << (bits * k))
+  lanes = None
+  if per_byte and x.ndim and x.shape[-1] % per_byte == 0:
+    lanes = _lane_params(params, granularity, per_byte)
+  if lanes is None:
+    return _packing.pack_codes(
+        _granularity.apply_blockwise(formula, x, params, granularity), bits
+    )
+  lane_params, lane_granularity = lanes
+  packed = None
+  for k, params_k in enumerate(lane_params):
+    x_k = x[..., k::per_byte]
+    codes = _granularity.apply_blockwise(formula, x_k, params_k, lane_granularity)
+    packed = codes if packed is None else packed | (codes << (bits * k))
   return packed.reshape(-1)
 
 
