@@ -113,7 +113,7 @@ def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
   return lax.bitcast_convert_type(x.astype(_UNSIGNED[info.bits]), info.dtype)
 
 
-def _pack_codes(x: jax.Array, bits: int) -> jax.Array:
+def pack_codes(x: jax.Array, bits: int) -> jax.Array:
   """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
   per_group, group_bytes, word = _group(bits)
   size = x.size
@@ -256,8 +256,8 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
       "(pack(x, layout='rows') keeps the sharding)", spec,
   )
   if layout == "rows" and codes.ndim > 1:
-    return along_rows(functools.partial(_pack_codes, bits=info.bits), codes)
-  return _pack_codes(codes, info.bits)
+    return along_rows(functools.partial(pack_codes, bits=info.bits), codes)
+  return pack_codes(codes, info.bits)
 
 
 @_bind.op(shape=_bind.shape, dtype=_bind.dtype)
