@@ -244,9 +244,8 @@ _LOWERED = textwrap.dedent("""
 
 
 def test_off_the_lowered_programs_are_those_of_a_process_that_never_used_it():
-  result = subprocess.run(
-      [sys.executable, "-c", _LOWERED], capture_output=True, text=True, check=True
-  )
+  result = subprocess.run([sys.executable, "-c", _LOWERED], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
   same, count, checked_compares, plain_compares = result.stdout.split()
   assert (same, count) == ("True", "4")
   # The test can fail: the checked program is a different one.

@@ -65,6 +65,15 @@ def test_changelog_has_the_current_version():
                    changelog, re.MULTILINE)
 
 
+def test_readme_documents_the_fast_and_full_test_commands():
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("## Running the tests"):]
+  assert 'pytest -m "not slow"' in section and "HYPOTHESIS_PROFILE=thorough" in section
+  markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+      "ini_options"]["markers"]
+  assert any(marker.startswith("slow:") for marker in markers)
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
   source = tmp_path_factory.mktemp("source")
