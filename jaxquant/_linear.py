@@ -334,10 +334,10 @@ def _lane_params(params, granularity, per_byte):
   """Per lane ``k``, the parameters of ``x[..., k::per_byte]`` and their granularity.
 
   The lanes share a byte, so they lie in one block along the last dim
-  when its blocks hold whole bytes, and share its parameters; one
-  parameter per element of the last dim is de-interleaved at its own size
-  (behind a barrier, so that XLA reads it contiguously rather than with a
-  stride per element). ``None`` when a block edge splits a byte.
+  when its blocks hold whole bytes, and share its parameters, indexed at
+  the lane's own size rather than by striding through parameters expanded
+  to x's; one parameter per element of the last dim is sliced like x.
+  ``None`` when a block edge splits a byte.
   """
   blocks, block = granularity.param_shape[-1], granularity.block_shape[-1]
   if blocks == 1:
@@ -357,8 +357,7 @@ def _lane_params(params, granularity, per_byte):
   params = [None if p is None else jnp.reshape(p, granularity.param_shape) for p in params]
   if not split:
     return [params] * per_byte, lane_granularity
-  lanes = [[None if p is None else lax.optimization_barrier(p[..., k::per_byte]) for p in params]
-           for k in range(per_byte)]
+  lanes = [[None if p is None else p[..., k::per_byte] for p in params] for k in range(per_byte)]
   return lanes, lane_granularity
 
 
