@@ -25,12 +25,13 @@ def test_readme_python_examples_run():
   for block in blocks:
     namespaces.append({})
     exec(compile(block, str(README), "exec"), namespaces[-1])  # pylint: disable=exec-used
-  # The first example's comment promises half a step at most.
+  # The first example's comment promises half a step at most (up to float32
+  # rounding of the dequantized value).
   quantized = namespaces[0]
   jnp = quantized["jnp"]
   error = jnp.abs(quantized["w"] - quantized["w_hat"])
   step = jnp.repeat(quantized["scale"], 32, axis=1)
-  assert float(jnp.max(error / step)) <= 0.5
+  assert float(jnp.max(error / step)) <= 0.5 + 1e-5
   # The QAT example trains: weights and scales both get gradients.
   grad_weights, grad_scale = namespaces[1]["grads"]
   assert grad_scale.shape == (128, 4)
