@@ -192,13 +192,25 @@ def _quantize(function: str, leaf: jax.Array, rule: QuantizationRule) -> Quantiz
   return _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
 
 
+def _splits_minor_dim(x: jax.Array) -> bool:
+  """Whether x is sharded along a dim after its first (traced: its explicit sharding)."""
+  sharding = jax.typeof(x).sharding
+  if not isinstance(x, jax.core.Tracer) and isinstance(x, jax.Array):
+    sharding = x.sharding
+  return any(tuple(getattr(sharding, "spec", ()))[1:])
+
+
 def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> QuantizedArray:
   info = _dtypes.quantized_dtype("quantize_params", "dtype", dtype)
   values = _linear.quantize_linear(
       value, scale, zero_point, output_dtype=info.dtype, axis=axis, block_size=block_size
   )
   if packed:
-    values = _packing.pack(values, dtype=info.dtype if info.as_codes else None)
+    # ONNX's flat layout runs across rows, so it cannot keep a split of a minor
+    # dim; packing each row keeps every dim's sharding (same bytes, reshaped,
+    # when a row fills whole bytes).
+    layout = "rows" if _splits_minor_dim(value) else "flat"
+    values = _packing.pack(values, dtype=info.dtype if info.as_codes else None, layout=layout)
   return QuantizedArray(
       values, scale, zero_point, info.dtype, tuple(value.shape), axis, block_size, packed,
       np.dtype(value.dtype),

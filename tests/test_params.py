@@ -212,6 +212,53 @@ def test_sharded_parameters_stay_sharded():
   assert result.stdout.strip() == "ok"
 
 
+SHARDED_PACKED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxquant as jq
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    forward = jax.jit(lambda x, q: x @ jq.dequantize_params(q))
+    for spec, values_spec, ways in [
+        (P(None, "model"), P(None, "model"), 2),                    # minor dim split: rows layout
+        (P("data", "model"), P("data", "model"), 8),
+        (P(None, ("data", "model")), P(None, ("data", "model")), 8),  # 8 ways along the columns
+        (P(("data", "model"), None), P(("data", "model")), 8),         # 8 ways along rows: flat
+    ]:
+      w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), NamedSharding(mesh, spec))
+      for rule in (jq.QuantizationRule(dtype=jnp.int4),
+                   jq.QuantizationRule(dtype=jnp.int2, axis=0, block_size=8)):
+        q = jax.jit(lambda w: jq.quantize_params(w, rule))(w)
+        assert q.packed and q.values.sharding.spec == values_spec, (spec, q.values.sharding)
+        assert len({s.device for s in q.values.addressable_shards}) == 8
+        assert q.values.addressable_shards[0].data.size * ways == q.values.size, spec
+        y = jax.jit(lambda q: q.dequantize())(q)
+        assert y.sharding.spec == spec, (spec, y.sharding)
+        reference = jq.quantize_params(np.asarray(w), rule)
+        np.testing.assert_array_equal(y, reference.dequantize())
+        # unpack reads either layout: the same codes as the unsharded (flat) weight's.
+        np.testing.assert_array_equal(jq.unpack(q.values, q.shape, q.dtype),
+                                      jq.unpack(reference.values, q.shape, q.dtype))
+        out = forward(x, q)
+        assert out.sharding.spec == P(None, spec[1]), (spec, out.sharding)  # x is replicated
+        np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(reference.dequantize()),
+                                   rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
+
+@pytest.mark.slow
+def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
+  """Packed sub-byte weights sharded along either dim, 8 CPU devices in a fresh process."""
+  environment = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                     JAX_PLATFORMS="cpu",
+                     PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+  result = subprocess.run([sys.executable, "-c", SHARDED_PACKED], env=environment,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("rules, learnable, error, match", [
     ("int8", False, TypeError, "rules"),
     (jq.QuantizationRule(dtype=jnp.float32), False, TypeError, "dtype"),
