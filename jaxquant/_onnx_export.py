@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from jax.typing import ArrayLike
 import numpy as np
 
+from jaxquant import _packing
 from jaxquant import _params
 from jaxquant import _validate
 
@@ -26,6 +27,9 @@ def _weight_tensor(onnx, name: str, weight: _params.QuantizedArray):
   """The quantized values as an initializer of their ONNX type (packed bytes are ONNX's layout)."""
   values = np.asarray(weight.values)
   if weight.packed:
+    if values.ndim > 1:  # pack's row layout (a sharded weight): ONNX reads the flat one
+      values = np.asarray(_packing.pack(
+          _packing.unpack(values, weight.shape, weight.dtype), dtype=weight.dtype))
     data_type = onnx.helper.np_dtype_to_tensor_dtype(weight.dtype)
     return onnx.helper.make_tensor(name, data_type, weight.shape, values.tobytes(), raw=True)
   _validate.check(
@@ -35,37 +39,89 @@ def _weight_tensor(onnx, name: str, weight: _params.QuantizedArray):
   return onnx.numpy_helper.from_array(values, name)
 
 
+def _row_scale_nodes(onnx) -> list[Any]:
+  """``s = max|x| / 127`` per row, NaNs ignored, 1 for a row of zeros: as the drop-ins'."""
+  helper = onnx.helper
+  return [
+      helper.make_node("Abs", ["x"], ["x_abs"]),
+      helper.make_node("IsNaN", ["x_abs"], ["x_nan"]),
+      helper.make_node("Where", ["x_nan", "zero", "x_abs"], ["x_magnitude"]),
+      helper.make_node("ReduceMax", ["x_magnitude", "last_axis"], ["x_max"], keepdims=0),
+      helper.make_node("Div", ["x_max", "int8_max"], ["x_quotient"]),
+      helper.make_node("Equal", ["x_max", "zero"], ["x_zero_row"]),
+      helper.make_node("Where", ["x_zero_row", "one", "x_quotient"], ["x_scale"]),
+      # Per row is per index of axis 0 (int8: opset 21's output_dtype, no zero point).
+      helper.make_node("QuantizeLinear", ["x", "x_scale"], ["x_q"], axis=0,
+                       output_dtype=onnx.TensorProto.INT8),
+  ]
+
+
+def _row_scale_constants(onnx) -> list[Any]:
+  return [
+      onnx.numpy_helper.from_array(np.float32(0), "zero"),
+      onnx.numpy_helper.from_array(np.float32(1), "one"),
+      onnx.numpy_helper.from_array(np.float32(127), "int8_max"),
+      onnx.numpy_helper.from_array(np.array([-1], np.int64), "last_axis"),
+  ]
+
+
+def _check_int8_weight(function, weight, scale, graph):
+  _validate.check(
+      weight.dtype == np.dtype(np.int8) and weight.zero_point is None
+      and not weight.block_size and (scale.size == 1 or weight.axis == 1),
+      function, "weight", "int8 without zero point, per tensor or per output column, "
+      f"for a {graph} graph", repr(weight),
+  )
+
+
 def export_onnx(
     weight: _params.QuantizedArray,
     bias: ArrayLike | None = None,
     *,
+    activations: Literal["float", "dynamic_int8", "fake_quant"] = "float",
     input_scale: ArrayLike | None = None,
     input_zero_point: ArrayLike | None = None,
     opset: int = 25,
 ) -> Any:
   r"""A dense layer ``y = x @ w + b`` with quantized ``w`` as an ONNX model.
 
-  Two graphs, by whether the input is quantized:
+  One graph per flow, by ``activations`` and ``input_scale``:
 
-  * ``input_scale=None``: a QDQ graph, ``MatMul(x, DequantizeLinear(w))``
+  * ``"float"`` (weight-only): a QDQ graph, ``MatMul(x, DequantizeLinear(w))``
     then ``Add(b)``. The weight is stored as its ONNX type (int8, int4 and
     int2 packed as :func:`pack` lays them out, float8, ...) with its scale,
     zero point, ``axis`` and ``block_size``; DequantizeLinear reproduces
     :meth:`QuantizedArray.dequantize` bit for bit, the float MatMul to
     float32 rounding (its summation order is the runtime's).
-  * with ``input_scale`` (static int8, :func:`dot_general_static_int8`'s
+  * ``"float"`` with ``input_scale`` (static int8, :func:`dot_general_static_int8`'s
     arithmetic): ``QuantizeLinear(x)``, ``MatMulInteger`` with the input
     zero point (int32, exact), ``Cast`` to float32, ``Mul`` by the constant
-    ``input_scale * w.scale`` and ``Add(b)``: onnxruntime computes it bit for
-    bit as :func:`dot_general_static_int8` with ``rhs=weight`` does. ``w``
-    must be int8 without zero point, per tensor or per output column.
+    ``input_scale * w.scale`` and ``Add(b)``.
+  * ``"dynamic_int8"`` (:func:`dot_general_dynamic_int8`'s arithmetic): each
+    row's scale ``max|x| / 127`` (``Abs``, ``ReduceMax``, ``Div``; NaNs
+    ignored, 1 for a zero row), ``QuantizeLinear`` per row to int8,
+    ``MatMulInteger`` (int32, exact), then ``DequantizeLinear`` of the int32
+    accumulator by the row scale times ``w.scale`` (``Mul``: the scales
+    multiplied first, as jaxquant does), ``Add(b)``.
+  * ``"fake_quant"`` (a QAT model deployed with :func:`dot_general_fake_quant`):
+    the row-scaled ``QuantizeLinear`` of ``"dynamic_int8"``, ``DequantizeLinear``,
+    then the QDQ graph's float ``MatMul`` with ``DequantizeLinear(w)``.
+
+  The integer graphs (static and dynamic int8) run in onnxruntime bit for bit
+  as the drop-ins with ``rhs=weight``; in the float ones every tensor up to
+  the float MatMul is bit for bit jaxquant's, the MatMul differs by its
+  summation order (docs/models.md gives the measured ulps). ``w`` must be
+  int8 without zero point, per tensor or per output column, for the integer graphs.
 
   Args:
     weight: a :class:`QuantizedArray` of shape ``(in, out)``.
     bias: float32 ``(out,)``, or ``None``.
-    input_scale: the input's float32 per-tensor scale for a static int8 graph.
+    activations: ``"float"``, ``"dynamic_int8"`` or ``"fake_quant"`` (static).
+    input_scale: the input's float32 per-tensor scale for a static int8 graph
+      (with ``activations="float"``).
     input_zero_point: its int8 zero point (``None``: 0).
-    opset: the ONNX opset (25 reads int2; DequantizeLinear's blocks need 21).
+    opset: the ONNX opset (25 reads int2; DequantizeLinear's blocks and
+      QuantizeLinear's ``output_dtype`` need 21).
 
   Returns:
     An ``onnx.ModelProto`` with float32 input ``x`` (``(batch, in)``) and output ``y``.
@@ -73,7 +129,8 @@ def export_onnx(
   Raises:
     ImportError: if onnx is not installed.
     TypeError: if ``weight`` is not a :class:`QuantizedArray`.
-    ValueError: if ``weight`` is not 2-D, or does not fit the static int8 graph.
+    ValueError: if ``weight`` is not 2-D, does not fit an integer graph, or
+      for an unknown ``activations`` or one given with ``input_scale``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -82,6 +139,10 @@ def export_onnx(
     >>> model = jq.export_onnx(w)
     >>> [node.op_type for node in model.graph.node]
     ['DequantizeLinear', 'MatMul']
+    >>> model = jq.export_onnx(jq.quantize_params(jnp.ones((4, 2)), jq.QuantizationRule()),
+    ...                        activations="dynamic_int8")
+    >>> [node.op_type for node in model.graph.node][-4:]
+    ['MatMulInteger', 'Unsqueeze', 'Mul', 'DequantizeLinear']
   """
   function = "export_onnx"
   onnx = _onnx()
@@ -91,11 +152,38 @@ def export_onnx(
       type(weight).__name__, error=TypeError,
   )
   _validate.check(len(weight.shape) == 2, function, "weight.shape", "(in, out)", weight.shape)
+  _validate.check(
+      activations in ("float", "dynamic_int8", "fake_quant"), function, "activations",
+      "'float', 'dynamic_int8' or 'fake_quant'", repr(activations),
+  )
+  _validate.check(
+      input_scale is None or activations == "float", function, "activations",
+      "'float' with input_scale (a static int8 graph)", repr(activations),
+  )
   n_in, n_out = weight.shape
   scale = np.asarray(weight.scale, np.float32)
   initializers = [_weight_tensor(onnx, "w_q", weight)]
   nodes = []
-  if input_scale is None:
+  product = "y" if bias is None else "xw"
+  if activations == "dynamic_int8":
+    _check_int8_weight(function, weight, scale, "dynamic int8")
+    initializers += _row_scale_constants(onnx) + [
+        onnx.numpy_helper.from_array(np.array([1], np.int64), "row_axis"),
+        # One per column even per tensor: y_scale needs the accumulator's shape.
+        onnx.numpy_helper.from_array(
+            np.ascontiguousarray(np.broadcast_to(scale.reshape(-1), (n_out,))), "w_scale"),
+    ]
+    nodes += _row_scale_nodes(onnx) + [
+        helper.make_node("MatMulInteger", ["x_q", "w_q"], ["accumulator"]),
+        helper.make_node("Unsqueeze", ["x_scale", "row_axis"], ["x_scale_column"]),
+        helper.make_node("Mul", ["x_scale_column", "w_scale"], ["y_scale"]),
+        # float32(acc) * y_scale, one scale per element (blocks of 1). As Cast and
+        # Mul, onnxruntime's MatMulIntegerToFloatFusion (on by default) would
+        # fold the scales into the product in another order, off by an ulp.
+        helper.make_node("DequantizeLinear", ["accumulator", "y_scale"], [product], axis=1,
+                         block_size=1),
+    ]
+  elif input_scale is None:
     initializers.append(onnx.numpy_helper.from_array(scale, "w_scale"))
     inputs = ["w_q", "w_scale"]
     if weight.zero_point is not None:
@@ -106,14 +194,15 @@ def export_onnx(
     if weight.block_size:
       attributes["block_size"] = weight.block_size
     nodes.append(helper.make_node("DequantizeLinear", inputs, ["w"], **attributes))
-    nodes.append(helper.make_node("MatMul", ["x", "w"], ["y" if bias is None else "xw"]))
+    x = "x"
+    if activations == "fake_quant":
+      initializers += _row_scale_constants(onnx)
+      nodes += _row_scale_nodes(onnx) + [
+          helper.make_node("DequantizeLinear", ["x_q", "x_scale"], ["x_dq"], axis=0)]
+      x = "x_dq"
+    nodes.append(helper.make_node("MatMul", [x, "w"], [product]))
   else:
-    _validate.check(
-        weight.dtype == np.dtype(np.int8) and weight.zero_point is None
-        and not weight.block_size and (scale.size == 1 or weight.axis == 1),
-        function, "weight", "int8 without zero point, per tensor or per output column, "
-        "for a static int8 graph", repr(weight),
-    )
+    _check_int8_weight(function, weight, scale, "static int8")
     input_scale = np.asarray(input_scale, np.float32).reshape(())
     zero_point = np.asarray(0 if input_zero_point is None else input_zero_point, np.int8)
     initializers += [
@@ -128,8 +217,7 @@ def export_onnx(
         helper.make_node("MatMulInteger", ["x_q", "w_q", "x_zero_point"], ["accumulator"]),
         helper.make_node("Cast", ["accumulator"], ["accumulator_float"],
                          to=onnx.TensorProto.FLOAT),
-        helper.make_node("Mul", ["accumulator_float", "y_scale"],
-                         ["y" if bias is None else "xw"]),
+        helper.make_node("Mul", ["accumulator_float", "y_scale"], [product]),
     ]
   if bias is not None:
     initializers.append(onnx.numpy_helper.from_array(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -217,15 +219,33 @@ def test_flax_linen_dense_takes_the_drop_in():
                                 jq.dot_general_dynamic_int8(X, kernel, DENSE) + bias)
 
 
-def _run_onnxruntime(model, x):
+def _run_onnxruntime(model, x, *, outputs=(), optimize=False):
+  """y and the named intermediate float32 tensors, as onnxruntime computes them."""
+  model = onnx.ModelProto.FromString(model.SerializeToString())
+  for name in outputs:
+    model.graph.output.append(
+        onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
   options = onnxruntime.SessionOptions()
-  options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+  options.graph_optimization_level = (
+      onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+      else onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL)
   session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                          providers=["CPUExecutionProvider"])
   return session.run(None, {"x": x})
 
 
+def _assert_within_summation_error(y, x, w):
+  """|y - x @ w| within two float32 dot products' worst-case rounding, any summation order."""
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  unit = np.finfo(np.float32).eps / 2
+  bound = 2 * x.shape[1] * unit * (np.abs(x) @ np.abs(w))
+  assert np.all(np.abs(np.asarray(y, np.float64) - x @ w) <= bound)
+
+
 BIAS = np.linspace(-1, 1, 8).astype(np.float32)
+# Rows that exercise the dynamic scale: all zeros, one NaN, tiny, large.
+EDGE_X = np.concatenate([X, np.zeros((1, 70), np.float32), np.where(np.arange(70) == 5, np.nan, X[:1]),
+                         X[1:2] * np.float32(1e-30), X[2:3] * np.float32(1e30)]).astype(np.float32)
 
 
 @pytest.mark.parametrize("rule", [
@@ -240,24 +260,59 @@ def test_export_qdq_dequantizes_bit_for_bit_in_onnxruntime(rule):
   weight = jq.quantize_params(W, rule)
   model = jq.export_onnx(weight, BIAS)
   onnx.checker.check_model(model)
-  model.graph.output.append(onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None))
-  y, w = _run_onnxruntime(model, X)
+  y, w, xw = _run_onnxruntime(model, X, outputs=("w", "xw"))
   np.testing.assert_array_equal(w, weight.dequantize())
-  # The float MatMul sums in onnxruntime's order.
-  np.testing.assert_allclose(y, X @ np.asarray(weight.dequantize()) + BIAS, rtol=1e-5,
-                             atol=1e-5)
+  # The float MatMul sums in onnxruntime's order (docs/models.md has the ulps); the Add is exact.
+  _assert_within_summation_error(xw, X, w)
+  np.testing.assert_array_equal(y, xw + BIAS)
 
 
+def test_export_reads_the_row_layout_of_a_sharded_weight():
+  flat = jq.quantize_params(W[:, :7], jq.QuantizationRule(dtype=jnp.int4))  # odd rows: padded
+  codes = jq.unpack(flat.values, flat.shape, flat.dtype)
+  rows = dataclasses.replace(flat, values=jq.pack(codes, layout="rows"))
+  assert rows.values.shape == (70, 4)
+  _, w = _run_onnxruntime(jq.export_onnx(rows), X, outputs=("w",))
+  np.testing.assert_array_equal(w, flat.dequantize())
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["unoptimized", "optimized"])
+@pytest.mark.parametrize("axis", [None, -1])
+def test_export_dynamic_int8_bit_for_bit_in_onnxruntime(axis, optimize):
+  weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis))
+  model = jq.export_onnx(weight, BIAS, activations="dynamic_int8")
+  onnx.checker.check_model(model)
+  (y,) = _run_onnxruntime(model, EDGE_X, optimize=optimize)
+  np.testing.assert_array_equal(y, jq.dot_general_dynamic_int8(EDGE_X, weight, DENSE) + BIAS)
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["unoptimized", "optimized"])
+def test_export_fake_quant_quantizes_bit_for_bit_in_onnxruntime(optimize):
+  weight = jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.int4))
+  model = jq.export_onnx(weight, BIAS, activations="fake_quant")
+  onnx.checker.check_model(model)
+  x = EDGE_X[:-3]  # no NaN: the float MatMul's bound needs finite rows
+  y, x_dq, w, xw = _run_onnxruntime(model, x, outputs=("x_dq", "w", "xw"), optimize=optimize)
+  # dot_general_fake_quant's operands, bit for bit: the row-quantized input and the weight.
+  fake_x = jq.dot_general_fake_quant(x, np.eye(70, dtype=np.float32), DENSE,
+                                     precision=lax.Precision.HIGHEST)
+  np.testing.assert_array_equal(x_dq, fake_x)
+  np.testing.assert_array_equal(w, weight.dequantize())
+  _assert_within_summation_error(xw, x_dq, w)
+  np.testing.assert_array_equal(y, xw + BIAS)
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["unoptimized", "optimized"])
 @pytest.mark.parametrize("zero_point", [None, -11])
 @pytest.mark.parametrize("axis", [None, -1])
-def test_export_static_int8_bit_for_bit_in_onnxruntime(zero_point, axis):
+def test_export_static_int8_bit_for_bit_in_onnxruntime(zero_point, axis, optimize):
   weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis))
   x = np.concatenate([X, np.full((1, 70), 1e3, np.float32), np.zeros((1, 70), np.float32)])
   model = jq.export_onnx(weight, BIAS, input_scale=0.02, input_zero_point=zero_point)
   onnx.checker.check_model(model)
   assert [node.op_type for node in model.graph.node] == [
       "QuantizeLinear", "MatMulInteger", "Cast", "Mul", "Add"]
-  (y,) = _run_onnxruntime(model, x)
+  (y,) = _run_onnxruntime(model, x, optimize=optimize)
   expected = jq.dot_general_static_int8(x, weight, DENSE, input_scale=np.float32(0.02),
                                         input_zero_point=zero_point) + BIAS
   np.testing.assert_array_equal(y, expected)
@@ -273,6 +328,14 @@ def test_export_errors():
   with pytest.raises(ValueError, match="packed"):
     jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.float6_e2m3fn,
                                                              packed=False)))
+  int8 = jq.quantize_params(W, jq.QuantizationRule())
+  with pytest.raises(ValueError, match="activations"):
+    jq.export_onnx(int8, activations="int4")
+  with pytest.raises(ValueError, match="activations"):
+    jq.export_onnx(int8, activations="dynamic_int8", input_scale=1.0)
+  with pytest.raises(ValueError, match="dynamic int8"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.int4)),
+                   activations="dynamic_int8")
 
 
 def test_export_without_onnx_names_the_extra(monkeypatch):
