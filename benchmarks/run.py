@@ -3,6 +3,7 @@
     python -m benchmarks [--ops dequantize quantize dynamic add fake] [--sizes 65536 1048576 ...]
                          [--layouts per-tensor ...] [--types "int8 -> float32" ...]
                          [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
+                         [--tune]
     python -m benchmarks --from-json benchmarks/results/cpu.json --markdown [filters]
 
 Every case runs its peers interleaved (one call each, round after round) on the
@@ -455,7 +456,12 @@ def main(argv=None):
   parser.add_argument("--json", type=pathlib.Path, default=None,
                       help=f"write the rows here (the committed ones: {DEFAULT_JSON})")
   parser.add_argument("--markdown", action="store_true", help="print a markdown table at the end")
+  parser.add_argument("--tune", action="store_true",
+                      help="apply jaxquant.tune_cpu() first (glibc heap for large results, "
+                           "512-bit vectors); recorded in the JSON's machine info")
   args = parser.parse_args(argv)
+  # Before anything starts JAX's backend, or it applies nothing.
+  tuned = jq.tune_cpu() if args.tune and args.from_json is None else None
 
   def wanted(row):
     return ((not args.layouts or row["layout"] in args.layouts)
@@ -467,7 +473,7 @@ def main(argv=None):
             and row["elements"] in args.sizes and wanted(row)]
     print(markdown(rows))
     return rows
-  machine = _machine()
+  machine = dict(_machine(), tune_cpu=tuned)
   print(" ".join(f"{key} {value}" for key, value in machine.items()), flush=True)
   print(f"{'op':10} {'layout':11} {'types':27} {'elements':>8} {'jaxquant ms':>11} "
         f"{'GB/s':>6} {'of copy':>7} {'vs onnxruntime':>14}", flush=True)

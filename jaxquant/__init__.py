@@ -9,6 +9,7 @@ from jaxquant._checked import checked as checked
 from jaxquant._dot_general import conv_general_dilated_dynamic_int8 as conv_general_dilated_dynamic_int8
 from jaxquant._dot_general import conv_general_dilated_fake_quant as conv_general_dilated_fake_quant
 from jaxquant._dot_general import conv_general_dilated_static_int8 as conv_general_dilated_static_int8
+from jaxquant._dot_general import conv_general_dilated_weight_only as conv_general_dilated_weight_only
 from jaxquant._dot_general import dot_general_dynamic_int8 as dot_general_dynamic_int8
 from jaxquant._dot_general import dot_general_fake_quant as dot_general_fake_quant
 from jaxquant._dot_general import dot_general_static_int8 as dot_general_static_int8
@@ -37,6 +38,7 @@ from jaxquant._params import QuantizedArray as QuantizedArray
 from jaxquant._params import dequantize_params as dequantize_params
 from jaxquant._params import quantize_params as quantize_params
 from jaxquant._recipes import choose_qparams as choose_qparams
+from jaxquant._runtime import tune_cpu as tune_cpu
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = (
     "conv_general_dilated_dynamic_int8",
     "conv_general_dilated_fake_quant",
     "conv_general_dilated_static_int8",
+    "conv_general_dilated_weight_only",
     "dequantize_linear",
     "dequantize_params",
     "dot_general_dynamic_int8",
@@ -76,6 +79,7 @@ __all__ = (
     "quantized_add",
     "quantized_dot_general",
     "replace_ops",
+    "tune_cpu",
     "unpack",
     "unpack_int4",
 )

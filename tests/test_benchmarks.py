@@ -52,6 +52,24 @@ def test_suite_writes_json_and_markdown(tmp_path):
   assert len(table) == 1 + len(rows), result.stdout
 
 
+def test_suite_tune_applies_tune_cpu_before_measuring_and_records_it(tmp_path):
+  results = tmp_path / "results.json"
+  subprocess.run(
+      [sys.executable, "-m", "benchmarks", "--tune", "--sizes", "8192", "--repeats", "1",
+       "--ops", "dequantize", "--layouts", "per-tensor", "--types", "int8 -> float32",
+       "--json", str(results)],
+      cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
+      env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)},
+  )
+  saved = json.loads(results.read_text())
+  machine = saved["machine"]
+  assert len(saved["rows"]) == 1
+  # Applied before the backend started (else tune_cpu applies nothing and warns).
+  assert machine["tune_cpu"], machine
+  if "XLA_FLAGS" in machine["tune_cpu"]:
+    assert machine["xla_flags"] == machine["tune_cpu"]["XLA_FLAGS"]
+
+
 def test_fake_quant_benchmark_runs():
   rows, output = _table_rows("fake.py", "--sizes", "16384", prefix="| fake")
   assert len(rows) == 3, output
