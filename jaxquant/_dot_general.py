@@ -270,13 +270,19 @@ def _weight_only(function, rhs, contracting, *, dtype, block_size, method):
   # As a (contracted, free) matrix: blocks run along axis 0, output features along axis 1.
   matrix = jnp.transpose(rhs, order).reshape(
       int(np.prod([rhs.shape[d] for d in contracting])), -1)
-  axis = 0 if block_size else 1
-  scale, zero_point = _recipes.choose_qparams(
-      matrix, dtype, axis=axis, block_size=block_size, method=method)
-  quantized = _fake.fake_quantize(
-      matrix, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
+  quantized = _fake_quantized_weight(
+      matrix, 0 if block_size else 1, dtype=dtype, block_size=block_size, method=method)
   return jnp.transpose(
       quantized.reshape([rhs.shape[d] for d in order]), np.argsort(order))
+
+
+def _fake_quantized_weight(weight, axis, *, dtype, block_size, method):
+  """``weight`` fake-quantized by a :func:`choose_qparams` recipe along ``axis``, as
+  :func:`quantize_params` stores it (bit for bit its ``dequantize()``)."""
+  scale, zero_point = _recipes.choose_qparams(
+      weight, dtype, axis=axis, block_size=block_size, method=method)
+  return _fake.fake_quantize(
+      weight, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
 
 
 def dot_general_weight_only(
@@ -429,6 +435,93 @@ def _rhs_per_output_feature(function, rhs, numbers):
   values, scale = _rhs_int8(
       function, rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
   return values, scale.reshape(-1)
+
+
+def conv_general_dilated_weight_only(
+    lhs: ArrayLike,
+    rhs: Any,
+    window_strides: Sequence[int],
+    padding: Any,
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    *,
+    dtype: Any = jnp.int8,
+    block_size: int = 0,
+    method: str = "absmax",
+) -> jax.Array:
+  r"""``lax.conv_general_dilated`` with the kernel quantized and dequantized: weight-only.
+
+  .. math::
+
+    y = \mathrm{conv}(x, \hat w), \qquad
+    \hat w = \mathrm{fake\_quantize}(w, s, z), \quad
+    (s, z) = \mathrm{choose\_qparams}(w, \mathrm{dtype}, \mathrm{method})
+
+  with one scale per output feature of the kernel, or, with ``block_size``,
+  per ``block_size`` input features (a short last block allowed) at each
+  spatial position and output feature: :func:`quantize_params`' layouts
+  ``axis=-1`` and ``axis=-2, block_size=...`` of an ``HWIO`` kernel, bit for
+  bit. A stored :class:`QuantizedArray` kernel is dequantized instead. The
+  convolution is the float one of ``lhs`` and the dequantized kernel; the
+  kernel's gradient is :func:`fake_quantize`'s straight-through one (scale
+  held constant). The convolution twin of :func:`dot_general_weight_only`,
+  for ``nnx.Conv(conv_general_dilated=functools.partial(...))`` or
+  :func:`replace_ops`.
+
+  Args:
+    lhs: float input.
+    rhs: float kernel, or a :class:`QuantizedArray`.
+    window_strides: as ``lax.conv_general_dilated``'s.
+    padding: as ``lax.conv_general_dilated``'s.
+    lhs_dilation: as ``lax.conv_general_dilated``'s.
+    rhs_dilation: as ``lax.conv_general_dilated``'s.
+    dimension_numbers: as ``lax.conv_general_dilated``'s.
+    feature_group_count: as ``lax.conv_general_dilated``'s.
+    batch_group_count: as ``lax.conv_general_dilated``'s.
+    precision: passed to ``lax.conv_general_dilated``.
+    preferred_element_type: passed to ``lax.conv_general_dilated``.
+    out_sharding: passed to ``lax.conv_general_dilated``.
+    dtype: the kernel's quantized dtype (integer, float8, float6, float4).
+    block_size: block length along the kernel's input features, 0 for per output feature.
+    method: :func:`choose_qparams`'s recipe.
+
+  Returns:
+    ``lax.conv_general_dilated(lhs, w_hat, ...)``.
+
+  Raises:
+    TypeError: if ``rhs`` is not a float array or :class:`QuantizedArray`, or
+      for an unsupported ``dtype``.
+    ValueError: for a bad ``method`` or ``block_size``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxquant as jq
+    >>> x = jnp.array([[[1.0, 2.0, -1.0, 0.5]]])  # NCW
+    >>> w = jnp.array([[[0.9, -0.2]]])  # OIW; int4, s = 0.9 / 7: w_hat = 0.9, -2 s
+    >>> jq.conv_general_dilated_weight_only(x, w, (1,), "VALID", dtype=jnp.int4)
+    Array([[[ 0.3857143,  2.0571427, -1.0285714]]], dtype=float32)
+  """
+  function = "conv_general_dilated_weight_only"
+  numbers = _conv_numbers(lhs, rhs, dimension_numbers)
+  if isinstance(rhs, _params.QuantizedArray):
+    weight = rhs.dequantize()
+  else:
+    rhs = _dtypes.float_input(function, "rhs", jnp.asarray(rhs))
+    out_feature, in_feature = numbers.rhs_spec[:2]
+    weight = _fake_quantized_weight(
+        rhs, in_feature if block_size else out_feature, dtype=dtype, block_size=block_size,
+        method=method)
+  return lax.conv_general_dilated(
+      lhs, weight, window_strides, padding, lhs_dilation, rhs_dilation, numbers,
+      feature_group_count, batch_group_count, precision, preferred_element_type,
+      out_sharding=out_sharding,
+  )
 
 
 def conv_general_dilated_dynamic_int8(

@@ -187,6 +187,38 @@ def test_conv_fake_quant_and_grouped_dynamic():
   assert np.abs(y - exact).max() <= 0.03 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("rule, options", [
+    (jq.QuantizationRule(), {}),                                          # per output feature
+    (jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=3, method="mse"),
+     dict(dtype=jnp.int4, block_size=3, method="mse")),                   # ragged: 4 = 3 + 1
+    (jq.QuantizationRule(dtype=jnp.float8_e4m3fn), dict(dtype=jnp.float8_e4m3fn)),
+])
+def test_conv_weight_only_is_the_dequantized_kernel_s_conv(rule, options):
+  stored = jq.quantize_params(CONV_W, rule)
+  expected = lax.conv_general_dilated(CONV_X, stored.dequantize(), **CONV)
+  np.testing.assert_array_equal(
+      jq.conv_general_dilated_weight_only(CONV_X, CONV_W, **CONV, **options), expected)
+  np.testing.assert_array_equal(
+      jq.conv_general_dilated_weight_only(CONV_X, stored, **CONV), expected)
+
+
+def test_conv_weight_only_other_layout_and_gradient():
+  # OIHW: output features lead, input features second.
+  kernel = np.transpose(CONV_W, (3, 2, 0, 1))
+  numbers = dict(CONV, dimension_numbers=("NHWC", "OIHW", "NHWC"))
+  np.testing.assert_array_equal(
+      jq.conv_general_dilated_weight_only(CONV_X, kernel, **numbers, dtype=jnp.int4,
+                                          block_size=2),
+      jq.conv_general_dilated_weight_only(CONV_X, CONV_W, **CONV, dtype=jnp.int4, block_size=2))
+  # Straight through for the kernel (absmax: nothing saturates).
+  grad = jax.grad(lambda w: jnp.sum(jq.conv_general_dilated_weight_only(CONV_X, w, **CONV)))
+  np.testing.assert_allclose(
+      grad(CONV_W), jax.grad(lambda w: jnp.sum(lax.conv_general_dilated(CONV_X, w, **CONV)))(
+          CONV_W), rtol=1e-6)
+  with pytest.raises(TypeError, match="rhs"):
+    jq.conv_general_dilated_weight_only(CONV_X, CONV_W.astype(np.int32), **CONV)
+
+
 def test_replace_ops_duck_typed_and_by_path():
   class Layer:
     def __init__(self, attribute):

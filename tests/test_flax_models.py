@@ -189,6 +189,22 @@ def test_weight_only_drop_in_equals_weight_only_parameters(trained):
       model(X_TEST), weight_only_ptq(_fresh(trained, "mlp")[0], X_TEST, rule))
 
 
+@pytest.mark.parametrize("dtype, block_size", [(jnp.int8, 0), (jnp.int4, 4)])
+def test_conv_weight_only_drop_in_on_the_cnn(trained, dtype, block_size):
+  """The convolutions' drop-in: quantize_params' logits bit for bit (conv1's one input
+  channel is a short block); int8 within half a point of float."""
+  model, float_accuracy = _fresh(trained, "cnn")
+  options = dict(dtype=dtype, block_size=block_size)
+  jq.replace_ops(model, dot_general=functools.partial(jq.dot_general_weight_only, **options),
+                 conv_general_dilated=functools.partial(jq.conv_general_dilated_weight_only,
+                                                        **options))
+  rule = jq.QuantizationRule(dtype=dtype, axis=-2 if block_size else -1, block_size=block_size)
+  logits = model(X_TEST)
+  np.testing.assert_array_equal(logits, weight_only_ptq(_fresh(trained, "cnn")[0], X_TEST, rule))
+  if dtype == jnp.int8:
+    assert abs(accuracy(logits) - float_accuracy) <= 0.5
+
+
 def test_layers_reached_in_each_model(trained):
   reached = {name: sorted(jq.replace_ops(_fresh(trained, name)[0],
                                          dot_general=jq.dot_general_dynamic_int8,
@@ -282,6 +298,11 @@ def test_drop_ins_as_constructor_arguments_and_einsum():
   np.testing.assert_array_equal(conv(images), jq.conv_general_dilated_dynamic_int8(
       images, conv.kernel[...], (1, 1), [(1, 1), (1, 1)],
       dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  int4 = functools.partial(jq.conv_general_dilated_weight_only, dtype=jnp.int4)
+  conv = nnx.Conv(1, 4, (3, 3), conv_general_dilated=int4, use_bias=False, rngs=rngs)
+  np.testing.assert_array_equal(conv(images), jax.lax.conv_general_dilated(
+      images, jq.quantize_params(conv.kernel[...], jq.QuantizationRule(dtype=jnp.int4))
+      .dequantize(), (1, 1), [(1, 1), (1, 1)], dimension_numbers=("NHWC", "HWIO", "NHWC")))
   einsum = nnx.Einsum("bi,io->bo", (64, 8), rngs=rngs)
   assert jq.replace_ops(einsum, dot_general=jq.dot_general_dynamic_int8) == [""]
   np.testing.assert_array_equal(
