@@ -10,7 +10,6 @@ from jaxquant._dot_general import conv_general_dilated_dynamic_int8 as conv_gene
 from jaxquant._dot_general import conv_general_dilated_fake_quant as conv_general_dilated_fake_quant
 from jaxquant._dot_general import conv_general_dilated_static_int8 as conv_general_dilated_static_int8
 from jaxquant._dot_general import conv_general_dilated_weight_only as conv_general_dilated_weight_only
-from jaxquant._dot_general import conv_general_dilated_weight_only as conv_general_dilated_weight_only
 from jaxquant._dot_general import dot_general_dynamic_int8 as dot_general_dynamic_int8
 from jaxquant._dot_general import dot_general_fake_quant as dot_general_fake_quant
 from jaxquant._dot_general import dot_general_static_int8 as dot_general_static_int8
@@ -54,7 +53,6 @@ __all__ = (
     "conv_general_dilated_dynamic_int8",
     "conv_general_dilated_fake_quant",
     "conv_general_dilated_static_int8",
-    "conv_general_dilated_weight_only",
     "conv_general_dilated_weight_only",
     "dequantize_linear",
     "dequantize_params",
