@@ -109,13 +109,36 @@ def _signed(
 # Integers of magnitude <= 2**24 are exact in float32: with int8 operands
 # (|product| <= 2**14) every partial sum over at most 2**10 terms is too.
 _EXACT_FLOAT_DEPTH = 1024
+# XLA:CPU hands an int8 x int8 -> int32 dot of at least two rows to YNNPACK,
+# which reads the int8 weight as it is; the bfloat16 dot first writes a
+# bfloat16 copy of it. Up to this many rows the int8 dot is the faster of the
+# two, beyond it the bfloat16 one (benchmarks/matmul.py; docs/numerics.md).
+_INT8_DOT_MAX_ROWS = 384
+
+
+def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int) -> jax.Array:
+  """The int8 x int8 -> int32 dot of an unbatched ``lhs`` as a matrix of at least two rows.
+
+  One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
+  an int32 copy of ``rhs``: a zero row is appended, and dropped after.
+  """
+  free = tuple(d for d in range(lhs.ndim) if d != lhs_k)
+  free_shape = tuple(lhs.shape[d] for d in free)
+  rows = math.prod(free_shape)
+  matrix = jnp.transpose(lhs, free + (lhs_k,)).reshape(rows, lhs.shape[lhs_k])
+  if rows == 1:
+    matrix = jnp.concatenate([matrix, jnp.zeros_like(matrix)])
+  product = lax.dot_general(matrix, rhs, (((1,), (rhs_k,)), ((), ())),
+                            preferred_element_type=jnp.int32)
+  return product[:rows].reshape(free_shape + product.shape[1:])
 
 
 def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   """``dot_general`` of int8 (or int32) operands, accumulated exactly, wrapping in int32.
 
-  XLA:CPU's int8 x int8 -> int32 dot is slower than its bfloat16 x bfloat16
-  -> float32 one (benchmarks/matmul.py), which is exact for int8 values:
+  On XLA:CPU an unbatched product of at most :data:`_INT8_DOT_MAX_ROWS`
+  (static) rows of lhs runs as the int8 dot (:func:`_int8_rows_dot`); a larger one
+  as a bfloat16 x bfloat16 -> float32 dot, which is exact for int8 values:
   bfloat16 holds every int8, each product is exact in float32, and each
   partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
   magnitude <= 2**24, which float32 holds, in whatever order the backend
@@ -127,6 +150,10 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
       or len(lhs_contracting) != 1):
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
   (lhs_k,), (rhs_k,) = lhs_contracting, rhs_contracting
+  rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k)
+  # A symbolic row count (jax.export) may be large: the bfloat16 dot.
+  if not lhs_batch and isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
+    return _int8_rows_dot(lhs, rhs, lhs_k, rhs_k)
   depth = lhs.shape[lhs_k]
   chunks = -(-depth // _EXACT_FLOAT_DEPTH)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
@@ -896,7 +923,9 @@ def matmul_nbits(
   if (_dispatch.select(function, implementation) == "pallas" and K % block_size == 0
       and zero_points.dtype == _UINT8 and static_batch and a.size):
     kernel = functools.partial(_nbits_kernel, **options)
-    y = _dispatch.with_xla_derivatives(kernel, xla)(a, packed, scales, zero_points)
+    y = _dispatch.with_xla_derivatives(
+        kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+        a, packed, scales, zero_points)
   else:
     y = xla(a, packed, scales, zero_points)
   if bias is not None:

@@ -121,6 +121,45 @@ def test_quantized_dot_general_dimension_numbers():
   np.testing.assert_array_equal(as_bfloat16, scaled.astype(jnp.bfloat16))
 
 
+@pytest.mark.parametrize("m", [0, 1, 2, 7])
+@pytest.mark.parametrize("k", [1, 37, 1029])  # 1029: the bfloat16 dot's last chunk is short
+def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
+  """Both XLA:CPU int8 products (int8 dot of >= 2 rows; chunked bfloat16 dot), bit for bit."""
+  rng = np.random.default_rng(k + m)
+  lhs, rhs = _integers(rng, np.int8, (m, k)), _integers(rng, np.int8, (k, 5))
+  exact = _wrap32(lhs.astype(np.int64) @ rhs.astype(np.int64))
+  for max_rows in (jq._matmul._INT8_DOT_MAX_ROWS, -1):  # the int8 dot, then the bfloat16 one
+    monkeypatch.setattr(jq._matmul, "_INT8_DOT_MAX_ROWS", max_rows)
+    np.testing.assert_array_equal(jq._matmul._int8_dot(lhs, rhs, _DIMS), exact)
+  # A vector lhs (no free dim), and rows spread over free dims on both sides of K.
+  monkeypatch.undo()
+  vector = _integers(rng, np.int8, (k,))
+  np.testing.assert_array_equal(
+      jq._matmul._int8_dot(vector, rhs, (((0,), (0,)), ((), ()))),
+      _wrap32(vector.astype(np.int64) @ rhs.astype(np.int64)))
+  lhs3 = _integers(rng, np.int8, (2, k, m))
+  np.testing.assert_array_equal(
+      jq._matmul._int8_dot(lhs3, rhs, (((1,), (0,)), ((), ()))),
+      _wrap32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
+
+
+def test_int8_path_chosen_by_rows():
+  """XLA:CPU: up to _INT8_DOT_MAX_ROWS rows (the zero point's row of ones included) read
+  the int8 weight as it is; more rows write a bfloat16 copy of it. Both exact."""
+  limit = jq._matmul._INT8_DOT_MAX_ROWS
+  rng = np.random.default_rng(12)
+  k, n = 1029, 16
+  b = _integers(rng, np.int8, (k, n))
+  call = jax.jit(lambda a, b: jq.matmul_integer(a, b, np.uint8(131), np.int8(-2)))
+  for m, copies in [(0, False), (1, False), (limit - 1, False), (limit, True)]:
+    a = _integers(rng, np.uint8, (m, k))
+    exact = (a.astype(np.int64) - 131) @ (b.astype(np.int64) + 2)
+    np.testing.assert_array_equal(call(a, b), _wrap32(exact))
+    if jax.default_backend() == "cpu":
+      hlo = call.lower(a, b).compile().as_text()
+      assert (f"bf16[{k},{n}]" in hlo) == copies, (m, hlo)
+
+
 @pytest.mark.slow  # twenty shapes, each compiled and run in both oracles
 def test_qlinear_matmul_matches_onnxruntime_and_reference():
   """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
