@@ -87,10 +87,17 @@ def _min_max(
     # A kernel block is already on chip: two plain reductions, which Mosaic
     # and Triton lower.
     return nan_aware(view)
-  return _ignoring_nan(
-      lambda view: (low_high(view, inf, lax.min), low_high(view, -inf, lax.max)),
-      nan_aware, one_pass, view,
-  )
+  def plain(view):
+    if windows is not None:
+      return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)
+    # One variadic reduce reads x once: without a select inside, XLA:CPU
+    # vectorizes it (measured faster than two plain reductions at 1M).
+    return lax.reduce(
+        (view, view), (inf, -inf),
+        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
+    )
+
+  return _ignoring_nan(plain, nan_aware, one_pass, view)
 
 
 def _max_magnitude(
@@ -290,5 +297,6 @@ def dynamic_quantize_linear(
     return view.restore(y), scale.reshape(shape), zero_point.reshape(shape)
 
   if _dispatch.select(function, implementation) == "pallas" and x.size:
-    return _dispatch.with_xla_derivatives(kernel, xla)(x)
+    return _dispatch.with_xla_derivatives(
+        kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(x)
   return xla(x)
