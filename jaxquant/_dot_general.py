@@ -24,6 +24,7 @@ from jaxquant import _dynamic
 from jaxquant import _fake
 from jaxquant import _linear
 from jaxquant import _matmul
+from jaxquant import _packing
 from jaxquant import _params
 from jaxquant import _recipes
 from jaxquant import _validate
@@ -31,40 +32,51 @@ from jaxquant import _validate
 _INT8 = _dtypes.quantized_dtype("dot_general", "dtype", jnp.int8)
 
 
-def _symmetric_scale(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
-  """``max|x| / 127`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
+def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
+  """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
   (magnitude,) = _dynamic._max_magnitude(x, tuple(reduced), keepdims=True)
-  scale, _ = _dynamic._symmetric_parameters(magnitude, info=_INT8)
+  scale, _ = _dynamic._symmetric_parameters(magnitude, info=info)
   return scale
 
 
-def _quantize_int8(function: str, x: ArrayLike, reduced: Sequence[int]):
-  """x as symmetric int8, one scale per index of the dims not ``reduced``."""
+def _signed_integer(function: str, argument: str, dtype: Any):
+  info = _dtypes.quantized_dtype(function, argument, dtype, integer=True)
+  _validate.check(
+      info.min < 0 and info.bits <= 8, function, argument,
+      "a signed integer dtype of at most 8 bits (int8, int4, int2: symmetric, no zero point)",
+      info.name, error=TypeError,
+  )
+  return info
+
+
+def _quantize_symmetric(function: str, x: ArrayLike, reduced: Sequence[int], info=_INT8):
+  """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``."""
   x = _dtypes.float_input(function, "lhs or rhs", jnp.asarray(x))
-  scale = _symmetric_scale(x, reduced)
-  return _linear.quantize_linear(x, scale, axis=None, output_dtype=jnp.int8), scale
+  scale = _symmetric_scale(x, reduced, info)
+  return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
 
-def _rhs_int8(function: str, rhs: Any, reduced: Sequence[int]):
-  """rhs as symmetric int8 with a scale of its rank, 1 along the ``reduced`` dims.
+def _rhs_quantized(function: str, rhs: Any, reduced: Sequence[int], info=_INT8):
+  """rhs as symmetric ``info.dtype`` with a scale of its rank, 1 along the ``reduced`` dims.
 
   A float rhs is quantized here, one scale per index of the other dims; a
-  :class:`QuantizedArray` (int8, no zero point, scale per tensor or along a
-  dim that is not reduced) is used as it is.
+  :class:`QuantizedArray` (of ``info.dtype``, no zero point, scale per tensor
+  or along a dim that is not reduced; packed values unpacked) is used as it is.
   """
   if not isinstance(rhs, _params.QuantizedArray):
-    return _quantize_int8(function, rhs, reduced)
+    return _quantize_symmetric(function, rhs, reduced, info)
   _validate.check(
-      rhs.dtype == np.dtype(np.int8) and rhs.zero_point is None and not rhs.packed
+      rhs.dtype == info.dtype and rhs.zero_point is None
       and rhs.block_size == 0 and (rhs.scale.size == 1 or rhs.axis not in reduced),
-      function, "rhs", "a float array, or a QuantizedArray of int8 without zero point "
+      function, "rhs", f"a float array, or a QuantizedArray of {info.name} without zero point "
       "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
       error=TypeError,
   )
+  values = _packing.unpack(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
     shape[rhs.axis] = rhs.shape[rhs.axis]
-  return rhs.values, rhs.scale.reshape(shape)
+  return values, rhs.scale.reshape(shape)
 
 
 def _result_dtype(lhs, rhs, preferred_element_type):
@@ -134,13 +146,15 @@ def dot_general_dynamic_int8(
     preferred_element_type: Any = None,
     *,
     out_sharding: Any = None,
+    lhs_dtype: Any = jnp.int8,
+    rhs_dtype: Any = jnp.int8,
 ) -> jax.Array:
   r"""``lax.dot_general`` with both operands quantized to int8 at run time, int32 accumulation.
 
   .. math::
 
     y = s_{lhs} \, s_{rhs} \sum_k q_{lhs} q_{rhs}, \quad
-    q = \mathrm{round}(x / s), \quad s = \max|x| / 127
+    q = \mathrm{round}(x / s), \quad s = \max|x| / q_{max}
 
   with one symmetric scale per index of each operand's batch and free dims
   (per token for activations, per output feature for a kernel), taken over
@@ -150,23 +164,30 @@ def dot_general_dynamic_int8(
   linen's ``Dense(dot_general=...)``, ``nnx.Einsum`` through
   :func:`replace_ops`, or direct calls. Not differentiable (the operands
   are rounded to integers); train with :func:`dot_general_fake_quant`.
+  ``lhs_dtype`` and ``rhs_dtype`` choose narrower symmetric integers
+  (``q_max`` 7 for int4, 1 for int2): int4 activations are
+  ``functools.partial(dot_general_dynamic_int8, lhs_dtype=jnp.int4)``, the
+  product still exact in int32.
 
   Args:
     lhs: float activations.
-    rhs: float weights (or a second float operand), or int8 weights stored
-      as a :class:`QuantizedArray` (no zero point, scale per tensor or per
-      output feature), used as they are.
+    rhs: float weights (or a second float operand), or weights stored as a
+      :class:`QuantizedArray` of ``rhs_dtype`` (no zero point, scale per
+      tensor or per output feature; packed or not), used as they are.
     dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
     precision: ignored (integer arithmetic is exact).
     preferred_element_type: the float dtype of the result; default the
       operands' promoted dtype.
     out_sharding: the result's sharding (a sharding constraint), or ``None``.
+    lhs_dtype: the activations' dtype: int8, int4 or int2 (static).
+    rhs_dtype: the weights' dtype: int8, int4 or int2 (static).
 
   Returns:
     The float result, shaped as ``lax.dot_general``'s.
 
   Raises:
-    TypeError: if an operand is not a float array.
+    TypeError: if an operand is not a float array (or a fitting
+      :class:`QuantizedArray`), or for a dtype that is not a signed integer.
 
   Example:
     >>> import jax.numpy as jnp
@@ -175,11 +196,15 @@ def dot_general_dynamic_int8(
     >>> w = jnp.array([[0.5], [0.25], [-1.0]])
     >>> jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ())))  # float: -0.5
     Array([[-0.499969]], dtype=float32)
+    >>> jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ())), lhs_dtype=jnp.int4)
+    Array([[-0.6434196]], dtype=float32)
   """
   function = "dot_general_dynamic_int8"
   (lhs_contracting, rhs_contracting), _ = dimension_numbers
-  lhs_values, lhs_scale = _quantize_int8(function, lhs, lhs_contracting)
-  rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
+  lhs_values, lhs_scale = _quantize_symmetric(
+      function, lhs, lhs_contracting, _signed_integer(function, "lhs_dtype", lhs_dtype))
+  rhs_values, rhs_scale = _rhs_quantized(
+      function, rhs, rhs_contracting, _signed_integer(function, "rhs_dtype", rhs_dtype))
   return _integer_dot(
       lhs_values, rhs_values, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
@@ -241,7 +266,7 @@ def dot_general_static_int8(
   function = "dot_general_static_int8"
   (_, rhs_contracting), _ = dimension_numbers
   lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _rhs_int8(function, rhs, rhs_contracting)
+  rhs_values, rhs_scale = _rhs_quantized(function, rhs, rhs_contracting)
   return _integer_dot(
       lhs_values, rhs_values, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
@@ -250,7 +275,7 @@ def dot_general_static_int8(
   )
 
 
-def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
+def _fake_quantize_symmetric(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   scale = lax.stop_gradient(_symmetric_scale(x, reduced))
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
@@ -396,7 +421,7 @@ def dot_general_fake_quant(
   (lhs_contracting, _), _ = dimension_numbers
   lhs = _dtypes.float_input("dot_general_fake_quant", "lhs", jnp.asarray(lhs))
   return lax.dot_general(
-      _fake_quantize_int8(lhs, lhs_contracting), rhs, dimension_numbers, precision,
+      _fake_quantize_symmetric(lhs, lhs_contracting), rhs, dimension_numbers, precision,
       preferred_element_type, out_sharding=out_sharding,
   )
 
@@ -432,7 +457,7 @@ def _integer_conv(function, lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_sca
 
 def _rhs_per_output_feature(function, rhs, numbers):
   out_feature = numbers.rhs_spec[0]
-  values, scale = _rhs_int8(
+  values, scale = _rhs_quantized(
       function, rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
   return values, scale.reshape(-1)
 
@@ -579,7 +604,7 @@ def conv_general_dilated_dynamic_int8(
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(jnp.ndim(lhs)) if d != batch or batch_group_count > 1]
-  lhs_values, lhs_scale = _quantize_int8(function, lhs, reduced)
+  lhs_values, lhs_scale = _quantize_symmetric(function, lhs, reduced)
   rhs_values, rhs_scale = _rhs_per_output_feature(function, rhs, numbers)
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
@@ -716,7 +741,7 @@ def conv_general_dilated_fake_quant(
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
   return lax.conv_general_dilated(
-      _fake_quantize_int8(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
+      _fake_quantize_symmetric(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
       rhs_dilation, numbers, feature_group_count, batch_group_count, precision,
       preferred_element_type, out_sharding=out_sharding,
   )

@@ -20,11 +20,12 @@ W = np.asarray(jax.random.normal(jax.random.key(1), (70, 8)), np.float32)
 DENSE = (((1,), (0,)), ((), ()))
 
 
-def _symmetric(x, reduced):
-  """NumPy's int8 values and scale: one scale per index of the dims not reduced."""
+def _symmetric(x, reduced, dtype=jnp.int8):
+  """NumPy's values and scale: one scale per index of the dims not reduced."""
   magnitude = np.abs(x).max(axis=tuple(reduced), keepdims=True)
-  scale = np.where(magnitude == 0, np.float32(1), magnitude / np.float32(127)).astype(np.float32)
-  return np.asarray(jq.quantize_linear(x, scale, axis=None, output_dtype=jnp.int8)), scale
+  qmax = np.float32(jnp.iinfo(dtype).max)
+  scale = np.where(magnitude == 0, np.float32(1), magnitude / qmax).astype(np.float32)
+  return np.asarray(jq.quantize_linear(x, scale, axis=None, output_dtype=dtype)), scale
 
 
 # dot_general layouts: (lhs shape, rhs shape, dimension numbers).
@@ -74,6 +75,28 @@ def test_dynamic_int8_dtypes_and_zero_rows():
                                      preferred_element_type=jnp.float16).dtype == jnp.float16
   with pytest.raises(TypeError, match="dtype"):
     jq.dot_general_dynamic_int8(X.astype(np.int32), W, DENSE)
+
+
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [
+    (jnp.int4, jnp.int8), (jnp.int4, jnp.int4), (jnp.int8, jnp.int4), (jnp.int2, jnp.int8)])
+def test_dynamic_narrow_activations_and_weights_accumulate_exactly(lhs_dtype, rhs_dtype):
+  x_q, x_scale = _symmetric(X, (1,), lhs_dtype)
+  w_q, w_scale = _symmetric(W, (0,), rhs_dtype)
+  accumulator = np.asarray(x_q, np.int64) @ np.asarray(w_q, np.int64)
+  expected = accumulator.astype(np.float32) * (x_scale * w_scale)
+  y = jq.dot_general_dynamic_int8(X, W, DENSE, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
+  np.testing.assert_array_equal(y, expected)
+  assert np.abs(x_q).max() == jnp.iinfo(lhs_dtype).max   # the row maxima land on q_max
+  stored = jq.quantize_params(W, jq.QuantizationRule(dtype=rhs_dtype))  # packed for int4
+  np.testing.assert_array_equal(
+      jq.dot_general_dynamic_int8(X, stored, DENSE, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype),
+      expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint4, jnp.int16, jnp.float8_e4m3fn])
+def test_dynamic_dtypes_must_be_narrow_signed_integers(dtype):
+  with pytest.raises(TypeError, match="lhs_dtype"):
+    jq.dot_general_dynamic_int8(X, W, DENSE, lhs_dtype=dtype)
 
 
 @pytest.mark.parametrize("zero_point", [None, -7])
