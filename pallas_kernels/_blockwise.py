@@ -13,7 +13,9 @@ scale is read once per tile and never expanded in HBM. The wrapper
 
 The backend is picked per platform when the call is lowered
 (:func:`._platforms.per_platform`): Mosaic on TPU, Triton on CUDA/ROCm,
-interpret mode elsewhere (CPU).
+interpret mode elsewhere (CPU). Under ``jax.jit`` with sharded operands the
+call is partitioned (:func:`_sharded`): each device runs the kernel on its own
+shards, and a reduction's per-shard partial results are combined.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ import dataclasses
 import math
 
 import jax
+from jax import lax
+from jax._src import sharding_impls  # HloSharding -> PartitionSpec; no public name
+from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 import numpy as np
 
 from pallas_kernels import _exact
@@ -68,6 +76,151 @@ def _dispatch(
       rocm=triton or on("triton", interpret=interpret),
       default=on("tpu", interpret=True),
   ))
+
+
+def _sharded(
+    run: Callable[..., tuple[jax.Array, ...]],
+    arrays: Sequence[jax.Array],
+    logical: Sequence[tuple[int, ...]],
+    out_shape: tuple[int, ...],
+    *,
+    result_count: int,
+    per_byte: Sequence[int],
+    reduced: Sequence[bool] | None = None,
+    combine: Callable[[list[jax.Array]], tuple[jax.Array, ...]] | None = None,
+) -> tuple[jax.Array, ...]:
+  """``run(*arrays, reduced=reduced)``, run on each device's shards when ``jax.jit`` partitions it.
+
+  XLA cannot see into a ``pallas_call``: left to itself it gathers the
+  operands and replicates the result. Here the call is a
+  ``custom_partitioning`` whose rule (a Shardy einsum) pairs each dim of the
+  output with the same dim of every operand that has it, so each dim is split
+  the way the data operand is, an operand's broadcast (size-1) dims are
+  replicated, and every device runs ``run`` on its own shards: the kernel
+  built for the local shapes. A dim that does not split evenly (or, for a
+  packed operand, into whole bytes) is replicated instead: the same bits, at
+  the cost of gathering that dim. On one device, inside ``shard_map`` and for
+  symbolic shapes the call is ``run`` itself. Under ``vmap`` the batch is one
+  more leading dim of every operand (size 1 where unbatched), partitioned alike.
+
+  Args:
+    run: the kernel call, a function of arrays of any consistent shapes (of any
+      rank) and, by keyword, of ``reduced`` for that rank.
+    arrays: its operands.
+    logical: each operand's shape, a packed operand's counted in elements.
+    out_shape: the shape the operands broadcast to; every result has it,
+      but for the ``reduced`` dims, which are 1 in the results.
+    result_count: how many results ``run`` returns.
+    per_byte: each operand's elements per byte (1 where not packed).
+    reduced: per dim of ``out_shape``, whether ``run`` reduces it (default none).
+    combine: where a reduced dim is split, maps the results of every shard
+      (gathered along a new leading axis: one partial result per shard, the
+      size of a parameter, never of x) to the combined results.
+
+  Returns:
+    ``run(*arrays)``, each result split like the operand it follows.
+  """
+  rank = len(out_shape)
+  reduced = tuple(reduced or (False,) * rank)
+  if rank == 0 or any(_tiling.symbolic(n) for n in out_shape):
+    return run(*arrays, reduced=reduced)
+  packing = max(per_byte)
+  last = rank - 1
+
+  def factor(k: int, packed: bool) -> str:
+    # A packed last dim counts bytes (d), an unpacked one elements (d p).
+    return f"(d{k} p)" if packing > 1 and k == last and not packed else f"d{k}"
+
+  follows = [tuple(shape[k] == n for k, n in enumerate(out_shape)) for shape in logical]
+  operands = [
+      " ".join(factor(k, count > 1) if follows[i][k] else f"b{i}_{k}" for k in range(rank))
+      for i, count in enumerate(per_byte)
+  ]
+  results = [
+      " ".join(f"r{j}_{k}" if reduced[k] else factor(k, False) for k in range(rank))
+      for j in range(result_count)
+  ]
+  rule = dict(p=packing, need_replication_factors=("p",)) if packing > 1 else {}
+
+  def mesh_axes(mesh, arg_shapes) -> list[tuple[str, ...]]:
+    """Per dim, the mesh axes it is split over: the first operand's that has it."""
+    specs = [_mesh_spec(arg.sharding, mesh) for arg in arg_shapes]
+    chosen: list[tuple[str, ...]] = []
+    for k, n in enumerate(out_shape):
+      names: tuple[str, ...] = ()
+      for follow, spec in zip(follows, specs):
+        if follow[k] and n != 1 and spec is not None:
+          entry = spec[k] if k < len(spec) else None
+          names = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+          break
+      shards = math.prod(mesh.shape[a] for a in names)
+      whole = packing if k == last else 1
+      if n % (shards * whole) or set(names) & {a for c in chosen for a in c}:
+        names = ()
+      chosen.append(names)
+    return chosen
+
+  def spec(axes, keep) -> PartitionSpec:
+    return PartitionSpec(*(
+        (a if len(a) > 1 else a[0]) if a and k else None for a, k in zip(axes, keep)))
+
+  def result_shardings(mesh, axes):
+    return tuple(NamedSharding(mesh, spec(axes, [not r for r in reduced]))
+                 for _ in range(result_count))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    axes = mesh_axes(mesh, arg_shapes)
+    split = tuple(a for k, names in enumerate(axes) if reduced[k] for a in names)
+
+    def lower(*local):
+      outputs = run(*local, reduced=reduced)
+      if split:
+        outputs = combine([lax.all_gather(o, split) for o in outputs])
+      return outputs
+
+    return mesh, lower, result_shardings(mesh, axes), tuple(
+        NamedSharding(mesh, spec(axes, follow)) for follow in follows)
+
+  partitioned = custom_partitioning(lambda *arrays: run(*arrays, reduced=reduced))
+  partitioned.def_partition(
+      partition,
+      infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: result_shardings(
+          mesh, mesh_axes(mesh, arg_shapes)),
+      sharding_rule=f"{', '.join(operands)} -> {', '.join(results)}",
+      decode_shardings=False, **rule,
+  )
+  # custom_partitioning has no batching rule: the batch becomes a leading dim.
+  batchable = custom_vmap(lambda *arrays: partitioned(*arrays))
+
+  @batchable.def_vmap
+  def _(axis_size, in_batched, *arrays):
+    arrays = [a if b else a[None] for a, b in zip(arrays, in_batched)]
+    outputs = _sharded(
+        run, arrays, [(a.shape[0], *shape) for a, shape in zip(arrays, logical)],
+        (axis_size, *out_shape), result_count=result_count, per_byte=per_byte,
+        reduced=(False, *reduced), combine=combine)
+    return outputs, tuple(True for _ in outputs)
+
+  return tuple(batchable(*arrays))
+
+
+def _mesh_spec(sharding: jax.sharding.Sharding, mesh) -> PartitionSpec | None:
+  """``sharding`` as mesh axes per dim; ``None`` where it splits a dim by part of an axis.
+
+  Shardy may split a reshaped operand by sub-axes (a block-view of x whose
+  shard edges cut blocks), which no ``PartitionSpec`` of the mesh names; such
+  an operand is then replicated (gathered), which gives the same bits.
+  """
+  if isinstance(sharding, NamedSharding):
+    return sharding.spec
+  try:
+    # JAX's own decoding of an HloSharding into mesh axes (what
+    # custom_partitioning's decode_shardings=True does, without raising).
+    (spec,) = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)  # noqa: SLF001
+  except (ValueError, NotImplementedError, AttributeError):
+    return None
+  return spec
 
 
 def _codes(packed: jax.Array, per_byte: int) -> jax.Array:
@@ -248,74 +401,85 @@ def elementwise(
   per_byte = tuple(per_byte or (1,) * len(operands))
   present = [i for i, a in enumerate(operands) if a is not None]
   arrays = [operands[i] for i in present]
-  logical = [
-      a.shape[:-1] + (per_byte[i] * a.shape[-1],) if per_byte[i] > 1 else a.shape
-      for i, a in zip(present, arrays)
-  ]
+  present_per_byte = [per_byte[i] for i in present]
+
+  def logical_shapes(arrays):
+    return [a.shape[:-1] + (n * a.shape[-1],) if n > 1 else a.shape
+            for a, n in zip(arrays, present_per_byte)]
+
+  logical = logical_shapes(arrays)
   out_shape = tuple(jnp.broadcast_shapes(*logical)) if logical else ()
   if math.prod(out_shape) == 0:
     return tuple(jnp.zeros(out_shape, d) for d in result_dtypes)
 
-  def call(arrays, *, backend, interpret, divide_asm):
-    layout = _lay_out(
-        arrays, logical, out_shape, per_byte=[per_byte[i] for i in present],
-        backend=backend, dtypes=[*(a.dtype for a in arrays), *result_dtypes],
-        max_block=max_block, pad_value=0,
-    )
-    tile, shapes = layout.tile, layout.shapes
-    kernel_formula = formula
-    if backend == "triton":
-      kernel_formula = _exact.exact(formula, divide=divide_asm)
-    elif not interpret:
-      kernel_formula = _exact.exact(formula, divide=False, rounding=False)
-    present_per_byte = [per_byte[i] for i in present]
-    lanes_per_byte = max(present_per_byte)
+  def run(*arrays, reduced):
+    """The kernel on these arrays, whole or (under :func:`_sharded`) one shard of each."""
+    del reduced  # element-wise: nothing is
+    logical = logical_shapes(arrays)
+    out_shape = tuple(jnp.broadcast_shapes(*logical))
 
-    def kernel(*refs):
-      in_refs, out_refs = refs[:len(present)], refs[len(present):]
-      if lanes_per_byte == 1:
-        args = [None] * len(operands)
-        for i, ref in zip(present, in_refs):
-          args[i] = ref[...]
-        for out_ref, result in zip(out_refs, kernel_formula(*args)):
-          out_ref[...] = result
-        return
-      # Element n * j + k sits in bits k * bits.. of byte j: evaluate the k-th
-      # elements of every byte together and store them with a lane stride of n.
-      bits = 8 // lanes_per_byte
-      for k in range(lanes_per_byte):
-        lanes = (slice(None),) * (len(tile) - 1) + (
-            pl.ds(k, tile[-1] // lanes_per_byte, stride=lanes_per_byte),)
-        args = [None] * len(operands)
-        for i, ref, shape, n in zip(present, in_refs, shapes, present_per_byte):
-          if n > 1:
-            args[i] = decode((ref[...] >> (k * bits)) & ((1 << bits) - 1))
-          elif shape[-1] != 1:
-            args[i] = ref[lanes]
-          else:
+    def call(arrays, *, backend, interpret, divide_asm):
+      layout = _lay_out(
+          arrays, logical, out_shape, per_byte=present_per_byte,
+          backend=backend, dtypes=[*(a.dtype for a in arrays), *result_dtypes],
+          max_block=max_block, pad_value=0,
+      )
+      tile, shapes = layout.tile, layout.shapes
+      kernel_formula = formula
+      if backend == "triton":
+        kernel_formula = _exact.exact(formula, divide=divide_asm)
+      elif not interpret:
+        kernel_formula = _exact.exact(formula, divide=False, rounding=False)
+      lanes_per_byte = max(present_per_byte)
+
+      def kernel(*refs):
+        in_refs, out_refs = refs[:len(present)], refs[len(present):]
+        if lanes_per_byte == 1:
+          args = [None] * len(operands)
+          for i, ref in zip(present, in_refs):
             args[i] = ref[...]
-        for out_ref, result in zip(out_refs, kernel_formula(*args)):
-          out_ref[lanes] = result
+          for out_ref, result in zip(out_refs, kernel_formula(*args)):
+            out_ref[...] = result
+          return
+        # Element n * j + k sits in bits k * bits.. of byte j: evaluate the k-th
+        # elements of every byte together and store them with a lane stride of n.
+        bits = 8 // lanes_per_byte
+        for k in range(lanes_per_byte):
+          lanes = (slice(None),) * (len(tile) - 1) + (
+              pl.ds(k, tile[-1] // lanes_per_byte, stride=lanes_per_byte),)
+          args = [None] * len(operands)
+          for i, ref, shape, n in zip(present, in_refs, shapes, present_per_byte):
+            if n > 1:
+              args[i] = decode((ref[...] >> (k * bits)) & ((1 << bits) - 1))
+            elif shape[-1] != 1:
+              args[i] = ref[lanes]
+            else:
+              args[i] = ref[...]
+          for out_ref, result in zip(out_refs, kernel_formula(*args)):
+            out_ref[lanes] = result
 
-    results = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(layout.padded, d) for d in result_dtypes],
-        grid=layout.grid,
-        in_specs=[_block_spec(s, tile, per_byte=n) for s, n in zip(shapes, present_per_byte)],
-        out_specs=[_block_spec(layout.padded, tile) for _ in result_dtypes],
-        compiler_params=None if interpret else _compiler_params(backend, layout.grid, tile),
-        interpret=interpret,
-        name=name,
-    )(*layout.arrays)
-    return tuple(layout.trim(r).reshape(out_shape) for r in results)
+      results = pl.pallas_call(
+          kernel,
+          out_shape=[jax.ShapeDtypeStruct(layout.padded, d) for d in result_dtypes],
+          grid=layout.grid,
+          in_specs=[_block_spec(s, tile, per_byte=n) for s, n in zip(shapes, present_per_byte)],
+          out_specs=[_block_spec(layout.padded, tile) for _ in result_dtypes],
+          compiler_params=None if interpret else _compiler_params(backend, layout.grid, tile),
+          interpret=interpret,
+          name=name,
+      )(*layout.arrays)
+      return tuple(layout.trim(r).reshape(out_shape) for r in results)
 
-  def xla(arrays):
-    args = [None] * len(operands)
-    for i, array in zip(present, arrays):
-      args[i] = decode(_codes(array, per_byte[i])) if per_byte[i] > 1 else array
-    return tuple(jnp.broadcast_to(r, out_shape) for r in formula(*args))
+    def xla(arrays):
+      args = [None] * len(operands)
+      for i, array in zip(present, arrays):
+        args[i] = decode(_codes(array, per_byte[i])) if per_byte[i] > 1 else array
+      return tuple(jnp.broadcast_to(r, out_shape) for r in formula(*args))
 
-  return _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
+    return _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
+
+  return _sharded(run, arrays, logical, out_shape, result_count=len(result_dtypes),
+                  per_byte=present_per_byte)
 
 
 def reduce(
@@ -357,52 +521,65 @@ def reduce(
     return tuple(jnp.broadcast_to(r, result_shape)
                  for r in reduction(padding, tuple(range(x.ndim))))
 
-  def call(arrays, *, backend, interpret, divide_asm):
-    del divide_asm
-    # The result's shape marks reduced dims as broadcast, so the collapse
-    # merges kept dims with kept dims and reduced with reduced only.
-    layout = _lay_out(
-        [*arrays, None], [x.shape, result_shape], x.shape, per_byte=[1, 1],
-        backend=backend, dtypes=[x.dtype, *result_dtypes], max_block=max_block,
-        pad_value=pad_value,
-    )
-    tile, grid = layout.tile, layout.grid
-    kept = [n != 1 for n in layout.shapes[1]]
-    rank = len(tile)
-    axes = tuple(d for d in range(rank) if not kept[d])
-    partial_tile = tuple(t if k else 1 for t, k in zip(tile, kept))
+  def run(x, *, reduced):
+    """The kernel on x, whole or (under :func:`_sharded`) one shard of it."""
+    keep = [not r for r in reduced]
+    result_shape = tuple(n if k else 1 for n, k in zip(x.shape, keep))
 
-    def kernel(x_ref, *out_refs):
-      for out_ref, result in zip(out_refs, reduction(x_ref[...], axes)):
-        out_ref[...] = result
+    def call(arrays, *, backend, interpret, divide_asm):
+      del divide_asm
+      # The result's shape marks reduced dims as broadcast, so the collapse
+      # merges kept dims with kept dims and reduced with reduced only.
+      layout = _lay_out(
+          [*arrays, None], [x.shape, result_shape], x.shape, per_byte=[1, 1],
+          backend=backend, dtypes=[x.dtype, *result_dtypes], max_block=max_block,
+          pad_value=pad_value,
+      )
+      tile, grid = layout.tile, layout.grid
+      kept = [n != 1 for n in layout.shapes[1]]
+      rank = len(tile)
+      axes = tuple(d for d in range(rank) if not kept[d])
+      partial_tile = tuple(t if k else 1 for t, k in zip(tile, kept))
 
-    partials = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(grid + partial_tile, d) for d in result_dtypes],
-        grid=grid,
-        in_specs=[pl.BlockSpec(tile, lambda *g: g)],
-        out_specs=[
-            pl.BlockSpec((pl.squeezed,) * rank + partial_tile, lambda *g: g + (0,) * rank)
-            for _ in result_dtypes
-        ],
-        compiler_params=None if interpret else _compiler_params(backend, grid, tile),
-        interpret=interpret,
-        name=name,
-    )(layout.arrays[0])
-    # Combine the partials over the grid axes of reduced dims: the k-th result
-    # is the k-th reduction of the k-th partials (min of the minima, max of the
-    # maxima). Then put each kept dim's (tile index, offset in tile) back together.
-    order = [a for d in range(rank) for a in (d, rank + d)]
-    return tuple(
-        layout.trim(reduction(part, axes)[k].transpose(order).reshape(
-            tuple(p if keep else 1 for p, keep in zip(layout.padded, kept)))
-        ).reshape(result_shape)
-        for k, part in enumerate(partials)
-    )
+      def kernel(x_ref, *out_refs):
+        for out_ref, result in zip(out_refs, reduction(x_ref[...], axes)):
+          out_ref[...] = result
 
-  def xla(arrays):
-    (x,) = arrays
-    return tuple(reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
+      partials = pl.pallas_call(
+          kernel,
+          out_shape=[jax.ShapeDtypeStruct(grid + partial_tile, d) for d in result_dtypes],
+          grid=grid,
+          in_specs=[pl.BlockSpec(tile, lambda *g: g)],
+          out_specs=[
+              pl.BlockSpec((pl.squeezed,) * rank + partial_tile, lambda *g: g + (0,) * rank)
+              for _ in result_dtypes
+          ],
+          compiler_params=None if interpret else _compiler_params(backend, grid, tile),
+          interpret=interpret,
+          name=name,
+      )(layout.arrays[0])
+      # Combine the partials over the grid axes of reduced dims: the k-th result
+      # is the k-th reduction of the k-th partials (min of the minima, max of the
+      # maxima). Then put each kept dim's (tile index, offset in tile) back together.
+      order = [a for d in range(rank) for a in (d, rank + d)]
+      return tuple(
+          layout.trim(reduction(part, axes)[k].transpose(order).reshape(
+              tuple(p if keep else 1 for p, keep in zip(layout.padded, kept)))
+          ).reshape(result_shape)
+          for k, part in enumerate(partials)
+      )
 
-  return _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
+    def xla(arrays):
+      (x,) = arrays
+      return tuple(reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
+
+    return _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
+
+  def combine(partials):
+    # The k-th result is the k-th reduction of the k-th partials (min of the
+    # minima, max of the maxima), as across tiles.
+    return tuple(reduction(part, (0,))[k][0] for k, part in enumerate(partials))
+
+  return _sharded(run, [x], [x.shape], x.shape, result_count=len(result_dtypes), per_byte=[1],
+                  reduced=tuple(not k for k in keep), combine=combine)
 

@@ -113,10 +113,7 @@ def jit_cases(mesh_name):
     q = rng.integers(-8, 8, (ROWS, columns)).astype(jnp.int4)
     xs, qs = jax.device_put(x, x_sharding), jax.device_put(q, x_sharding)
     shard_elements = x.size // mesh.size
-    # Pallas calls are not partitioned yet (docs/sharding.md): one mesh and
-    # layout record that, and check their values.
-    pallas = mesh_name == "1d" and shard_name == "aligned"
-    for implementation in ("xla", "pallas") if pallas else ("xla",):
+    for implementation in ("xla", "pallas"):
       for layout, (s, z, kw) in layouts(columns, block_size).items():
         if layout != "blocked" and shard_name != "aligned":
           continue
