@@ -7,7 +7,6 @@ the error of each scheme and the throughput of both ops on the current backend.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 
@@ -63,12 +62,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--size", type=int, default=4096, help="weight is size x size")
   parser.add_argument("--block-size", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is kept")
+  parser.add_argument("--tune", action="store_true",
+                      help="apply jaxquant.tune_cpu() first (process-wide CPU settings)")
   args = parser.parse_args(argv)
+  # Before the first computation, or it applies nothing.
+  tuned = jq.tune_cpu() if args.tune else None
 
   weight = _weight(args.size)
   device = jax.devices()[0]
   print(f"jaxquant {jq.__version__} on jax {jax.__version__}, backend "
         f"{jax.default_backend()} ({device.device_kind})")
+  if tuned is not None:
+    print("tune_cpu: " + (", ".join(f"{k}={v}" for k, v in tuned.items()) or "nothing applied"))
   print(f"weight: {args.size}x{args.size} float32, {weight.nbytes / 2**20:.0f} MiB\n")
   print(f"{'scheme':44} {'MiB':>6} {'rel. RMS err':>12} {'max err/step':>12} "
         f"{'quantize GB/s':>13} {'dequantize GB/s':>15}")
@@ -116,11 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         "(quantize_linear(..., packed=True): two nibbles per byte, the ONNX layout).")
   print("max err/step: worst |dequantized - weight| in quantization steps "
         "(<= 0.5 for integer schemes).")
-  if jax.default_backend() == "cpu" and "hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+  if jax.default_backend() == "cpu" and not tuned:
     # Outputs over 32 MiB are fresh mmaps that fault once per 4 KiB page on every call.
-    print("dequantize on CPU writes a fresh float32 weight per call; on Linux, "
-          "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 makes that several times faster "
-          "(README, \"Speed\").")
+    print("dequantize on CPU writes a fresh float32 weight per call; with glibc, "
+          "--tune (jaxquant.tune_cpu() first thing in a program) keeps it in the heap, "
+          "several times faster (README, \"Speed\").")
 
 
 if __name__ == "__main__":

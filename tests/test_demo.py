@@ -18,3 +18,15 @@ def test_demo_runs():
   for line in result.stdout.splitlines():
     if line.startswith(("int8", "int4")):
       assert float(line.split()[-3]) <= 0.5, line
+
+
+@pytest.mark.slow
+def test_demo_tune_says_what_it_applied():
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxquant", "--size", "256", "--repeats", "1", "--tune"],
+      capture_output=True, text=True, timeout=300, check=True,
+  )
+  (line,) = [line for line in result.stdout.splitlines() if line.startswith("tune_cpu: ")]
+  # Applied before the first computation: the allocator settings (glibc) or nothing.
+  assert "M_ARENA_MAX=1" in line or line == "tune_cpu: nothing applied", line
+  assert "--tune (jaxquant.tune_cpu()" not in result.stdout
