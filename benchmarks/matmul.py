@@ -1,6 +1,6 @@
 """Quantized linear layers against float32 and onnxruntime, interleaved, in one run.
 
-    python benchmarks/matmul.py [--rows 1 64 1024] [--features 1024] [--repeats 21]
+    python benchmarks/matmul.py [--rows 1 8 64 256 1024] [--features 1024] [--repeats 21]
 
 Two layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
 
@@ -13,22 +13,28 @@ Two layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``-
       as a user writes MatMulInteger by hand;
     - ``onnxruntime``: ``onnxruntime.quantization.quantize_dynamic``'s model of
       the float layer (DynamicQuantizeLinear + MatMulInteger, fused by its
-      optimizer), per-column int8 weights.
+      optimizer), per-column int8 weights;
+    - ``qwix`` (only where qwix imports; it is no dependency): x quantized
+      per tensor at every call, W per column, ``qwix.dot_general``.
 * weight-only int4: W in blocks of 32 along K, packed two per byte.
     - ``jaxquant``: ``matmul_nbits`` (XLA);
     - ``jnp``: unpack the nibbles and dequantize with jnp, then ``x @ w``;
-    - ``onnxruntime``: a MatMulNBits node on the same bytes.
+    - ``onnxruntime``: a MatMulNBits node on the same bytes;
+    - ``qwix`` (where it imports): W as qwix int4 in blocks of 32 along K,
+      ``qwix.dot_general`` with float x.
 
 Before timing, jaxquant's dynamic int8 layer is checked bit for bit against
 the onnxruntime model, and ``matmul_nbits`` against onnxruntime's MatMulNBits
 to float32 summation error. Reported: the median of ``--repeats`` calls, each
 peer timed in turn within every repeat, and its ratio to float32 (< 1 is
-faster). The machines here are shared: compare ratios within one run.
+faster), with the load average before and after. The machines here are
+shared: compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -41,6 +47,11 @@ import onnxruntime
 from onnxruntime import quantization
 
 import jaxquant as jq
+
+try:
+  import qwix
+except ImportError:
+  qwix = None
 
 _DIMS = (((1,), (0,)), ((), ()))
 BLOCK = 32
@@ -128,6 +139,24 @@ def int4_blocked(weight: np.ndarray):
   return _session(model), packed, layer, by_hand
 
 
+def _qwix_layers(weight: np.ndarray):
+  """qwix's dynamic int8 layer and its weight-only int4 layer (blocks of 32 along K).
+
+  The quantized weights are arguments, as the other peers' are: closed over,
+  XLA folds qwix's dequantization into a float32 constant.
+  """
+  int8_weight = qwix.quantize(jnp.asarray(weight), jnp.int8, channelwise_axes=(1,))
+  int4_weight = qwix.quantize(jnp.asarray(weight), jnp.int4, channelwise_axes=(1,),
+                              tiled_axes={0: BLOCK})
+  dynamic = jax.jit(lambda x, w: qwix.dot_general(qwix.quantize(x, jnp.int8), w, _DIMS))
+  weight_only = jax.jit(lambda x, w: qwix.dot_general(x, w, _DIMS))
+  return (lambda x: dynamic(x, int8_weight)), (lambda x: weight_only(x, int4_weight))
+
+
+def _load() -> str:
+  return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def _medians(peers: dict, repeats: int) -> dict[str, float]:
   times = {name: [] for name in peers}
   for function in peers.values():
@@ -142,7 +171,7 @@ def _medians(peers: dict, repeats: int) -> dict[str, float]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024])
+  parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
   parser.add_argument("--features", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=21)
   parser.add_argument("--model-path", default="/tmp/jaxquant_matmul_benchmark.onnx")
@@ -154,8 +183,11 @@ def main() -> None:
   float32 = jax.jit(lambda x, w: x @ w)
   int8_session, weight_q, int8_layer, int8_onnx_way = dynamic_int8(weight, args.model_path)
   int4_session, packed, int4_layer, int4_by_hand = int4_blocked(weight)
+  qwix_int8, qwix_int4 = _qwix_layers(weight) if qwix is not None else (None, None)
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
-        f"{jax.device_count()} CPU device(s); K = N = {k}; median of {args.repeats}")
+        f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
+        f"{jax.device_count()} CPU device(s); K = N = {k}; median of {args.repeats}; "
+        f"load average {_load()}")
   print("| layer | M | peer | ms | / float32 |")
   print("|---|---|---|---|---|")
   for m in args.rows:
@@ -171,12 +203,14 @@ def main() -> None:
             "jaxquant": lambda: int8_layer(x, weight_q),
             "jnp, ONNX way": lambda: int8_onnx_way(x, weight_q),
             "onnxruntime": lambda: int8_session.run(None, {"x": x_host}),
+            **({"qwix": lambda: qwix_int8(x)} if qwix_int8 else {}),
         },
         "weight-only int4": {
             "float32": lambda: float32(x, w),
             "jaxquant": lambda: int4_layer(x, packed),
             "jnp": lambda: int4_by_hand(x, packed),
             "onnxruntime": lambda: int4_session.run(None, {"x": x_host}),
+            **({"qwix": lambda: qwix_int4(x)} if qwix_int4 else {}),
         },
     }
     for layer, peers in cases.items():
@@ -184,6 +218,7 @@ def main() -> None:
       for name, ms in medians.items():
         print(f"| {layer} | {m} | {name} | {ms:.3f} | {ms / medians['float32']:.2f} |",
               flush=True)
+  print(f"load average {_load()}")
 
 
 if __name__ == "__main__":
