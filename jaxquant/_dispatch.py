@@ -8,31 +8,48 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from pallas_kernels import _platforms
+
 
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
-# Per backend, the ops whose Pallas kernel was measured faster than XLA there
-# (benchmarks/kernels.py). Only these are picked by ``implementation=None``.
+# Per platform (as lowered: "cpu", "cuda", "rocm", "tpu"), the ops whose
+# Pallas kernel was measured faster than XLA there (benchmarks/kernels.py).
+# Only these are picked by ``implementation=None``, and only on that platform:
+# the choice is made when the program is lowered, so one exported program runs
+# the kernel where it was measured faster and XLA elsewhere.
 # Empty: no kernel has yet been timed on a GPU or TPU, and on CPU the kernels
 # run in interpret mode, orders of magnitude slower than XLA.
 PALLAS_FASTER: dict[str, frozenset[str]] = {}
 
 
-def select(function: str, implementation: str | None) -> str:
-  """Returns the implementation that runs ``function``: ``"xla"`` or ``"pallas"``.
+def kernel_platforms(function: str, implementation: str | None) -> frozenset[str] | None:
+  """Where ``function`` runs its kernel: ``None`` on every platform, else these.
 
-  ``None`` picks the Pallas kernel only where :data:`PALLAS_FASTER` lists it
-  for the default backend, else XLA. ``implementation`` was checked when the
-  op's call was bound (``_bind.IMPLEMENTATION``).
+  ``"pallas"`` runs the kernel everywhere; ``None``, on the platforms where
+  :data:`PALLAS_FASTER` lists ``function`` (possibly none); ``"xla"``, nowhere.
   """
-  if implementation is None:
-    faster = PALLAS_FASTER.get(jax.default_backend(), frozenset())
-    return "pallas" if function in faster else "xla"
-  return implementation
+  if implementation == "pallas":
+    return None
+  if implementation == "xla":
+    return frozenset()
+  return frozenset(p for p, faster in PALLAS_FASTER.items() if function in faster)
+
+
+def select(function: str, implementation: str | None) -> str:
+  """Whether ``function``'s program holds its kernel: ``"pallas"``, else ``"xla"``.
+
+  ``"pallas"`` where the kernel runs on some platform (:func:`kernel_platforms`);
+  :func:`with_xla_derivatives` then picks it, or XLA, per platform when the
+  program is lowered. ``implementation`` was checked when the op's call was
+  bound (``_bind.IMPLEMENTATION``).
+  """
+  return "pallas" if kernel_platforms(function, implementation) != frozenset() else "xla"
 
 
 def with_xla_derivatives(
-    kernel: Callable[..., Any], xla: Callable[..., Any]
+    kernel: Callable[..., Any], xla: Callable[..., Any], *,
+    platforms: frozenset[str] | None = None,
 ) -> Callable[..., Any]:
   """``kernel``'s values with ``xla``'s derivatives, to every order.
 
@@ -43,10 +60,15 @@ def with_xla_derivatives(
   its primal output, so second derivatives come through the same rule.
 
   Inside ``jax.shard_map`` the kernel runs on each shard (see :func:`per_shard`).
+  With ``platforms``, the kernel runs on those platforms and ``xla`` on the
+  others, chosen when the program is lowered for its platform
+  (``pallas_kernels._platforms.per_platform``).
 
   Args:
     kernel: the Pallas evaluation of an op, a function of arrays (or ``None``).
     xla: the XLA evaluation of the same op, with the same signature.
+    platforms: where ``kernel`` runs (:func:`kernel_platforms`); ``None``:
+      everywhere.
 
   Returns:
     A function with their signature: ``kernel``'s values, ``xla``'s JVP.
@@ -54,7 +76,17 @@ def with_xla_derivatives(
 
   @jax.custom_jvp
   def evaluate(*args):
-    return per_shard(kernel)(*args)
+    if platforms is None:
+      return per_shard(kernel)(*args)
+    leaves, tree = jax.tree.flatten(args)
+    results = jax.eval_shape(xla, *args)
+
+    def flat(f):
+      return lambda *leaves: jax.tree.leaves(f(*jax.tree.unflatten(tree, leaves)))
+
+    chosen = _platforms.per_platform(
+        leaves, default=flat(xla), **dict.fromkeys(platforms, flat(per_shard(kernel))))
+    return jax.tree.unflatten(jax.tree.structure(results), chosen)
 
   @evaluate.defjvp
   def evaluate_jvp(primals, tangents):

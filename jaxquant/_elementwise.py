@@ -165,4 +165,6 @@ def quantized_add(
         a, b, parameters, formula=formula, output_dtype=out_info.dtype
     )
 
-  return _dispatch.with_xla_derivatives(kernel, xla)(a, b, parameters)
+  return _dispatch.with_xla_derivatives(
+      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      a, b, parameters)

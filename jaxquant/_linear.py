@@ -304,7 +304,9 @@ def _dequantize_linear(
         packed_dtype=info.dtype if per_byte > 1 else None,
     ))
 
-  return _dispatch.with_xla_derivatives(kernel, xla)(x, scale, zero_point)
+  return _dispatch.with_xla_derivatives(
+      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      x, scale, zero_point)
 
 
 def quotient_formula(x, scale, *, precision):
@@ -586,4 +588,6 @@ def _quantize_linear(
     ))
     return _packing.pack_codes(_packing.to_codes(y, info), info.bits) if packed else y
 
-  return _dispatch.with_xla_derivatives(kernel, xla)(x, scale, zero_point)
+  return _dispatch.with_xla_derivatives(
+      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      x, scale, zero_point)

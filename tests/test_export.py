@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _dispatch
 
 FEATURES = 64
 
@@ -108,6 +109,35 @@ def test_a_concrete_batch_exports_triton_kernels_for_cuda():
       disabled_checks=TRITON,
   )(jax.ShapeDtypeStruct((batch, FEATURES), jnp.float32))
   assert "xla.gpu.triton" in exported.mlir_module()
+
+
+def test_default_implementation_picks_the_kernel_per_platform_when_lowered(monkeypatch):
+  """One exported program: the kernel where PALLAS_FASTER lists the op, XLA elsewhere."""
+
+  def exported(platforms, implementation=None):
+    return export.export(
+        jax.jit(lambda x: OPS["quantize blocked"](x, implementation)), platforms=platforms,
+        disabled_checks=TRITON,
+    )(jax.ShapeDtypeStruct((16, FEATURES), jnp.float32))
+
+  def interpreted(module):
+    # On CPU a kernel runs in interpret mode: a loop over its grid, which the
+    # XLA formula has none of.
+    return "stablehlo.while" in module
+
+  assert interpreted(exported(("cpu",), "pallas").mlir_module())
+  assert "xla.gpu.triton" not in exported(("cpu", "cuda")).mlir_module()  # nothing listed
+  monkeypatch.setattr(_dispatch, "PALLAS_FASTER", {"cuda": frozenset({"quantize_linear"})})
+  jax.clear_caches()  # the ops' traces read the table
+  try:
+    both = exported(("cpu", "cuda"))
+    cpu = exported(("cpu",)).mlir_module()
+  finally:
+    jax.clear_caches()
+  assert "xla.gpu.triton" in both.mlir_module()
+  assert not interpreted(cpu)
+  x = np.random.default_rng(3).normal(size=(16, FEATURES)).astype(np.float32)
+  np.testing.assert_array_equal(both.call(x), OPS["quantize blocked"](x, "xla"))
 
 
 def test_export_round_trips_through_serialization():
