@@ -111,9 +111,10 @@ def _signed(
 _EXACT_FLOAT_DEPTH = 1024
 # XLA:CPU hands an int8 x int8 -> int32 dot of at least two rows to YNNPACK,
 # which reads the int8 weight as it is; the bfloat16 dot first writes a
-# bfloat16 copy of it. Up to this many rows the int8 dot is the faster of the
-# two, beyond it the bfloat16 one (benchmarks/matmul.py; docs/numerics.md).
-_INT8_DOT_MAX_ROWS = 384
+# bfloat16 copy of it. Measured at K = N = 1024: the int8 dot is clearly faster
+# up to ~200 rows, the two are within noise near 256, and the bfloat16 dot is
+# faster from ~512 (benchmarks/matmul.py; docs/numerics.md).
+_INT8_DOT_MAX_ROWS = 256
 
 
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int) -> jax.Array:
