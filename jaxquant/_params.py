@@ -179,7 +179,36 @@ def _layout(function: str, leaf: Any, rule: QuantizationRule) -> tuple[int | Non
   if axis is not None:
     axis = _validate.normalize_axis(function, axis, np.ndim(leaf))
   info = _dtypes.quantized_dtype(function, "rule.dtype", rule.dtype)
+  if rule.block_size and axis is not None:
+    shards = _shards_along(leaf, axis)
+    blocks = -(-leaf.shape[axis] // rule.block_size)
+    # JAX shards the per-block scale along the same mesh axes, so the block
+    # count must split evenly over them (else a ShardingTypeError deep inside).
+    _validate.check(
+        blocks % shards == 0, function, "rule.block_size",
+        f"one giving a multiple of the {shards} shards along axis {axis} "
+        f"({leaf.shape[axis]} elements give {blocks} blocks)", rule.block_size,
+    )
   return axis, rule.packed and info.bits < 8
+
+
+def _sharding(x: Any):
+  """x's sharding: its explicit (typed) one when traced, its placement when concrete."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return x.sharding
+  return jax.typeof(x).sharding
+
+
+def _shards_along(x: Any, axis: int) -> int:
+  """How many ways explicit mesh axes split x along ``axis`` (Auto axes are XLA's to place)."""
+  sharding = _sharding(x)
+  spec = tuple(getattr(sharding, "spec", ()))
+  names = spec[axis] if axis < len(spec) else None
+  if names is None:
+    return 1
+  names = names if isinstance(names, tuple) else (names,)
+  explicit = getattr(sharding.mesh, "explicit_axes", ())
+  return int(np.prod([sharding.mesh.shape[name] for name in names if name in explicit]))
 
 
 def _quantize(function: str, leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
@@ -193,11 +222,8 @@ def _quantize(function: str, leaf: jax.Array, rule: QuantizationRule) -> Quantiz
 
 
 def _splits_minor_dim(x: jax.Array) -> bool:
-  """Whether x is sharded along a dim after its first (traced: its explicit sharding)."""
-  sharding = jax.typeof(x).sharding
-  if not isinstance(x, jax.core.Tracer) and isinstance(x, jax.Array):
-    sharding = x.sharding
-  return any(tuple(getattr(sharding, "spec", ()))[1:])
+  """Whether x is sharded along a dim after its first."""
+  return any(tuple(getattr(_sharding(x), "spec", ()))[1:])
 
 
 def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> QuantizedArray:

@@ -243,6 +243,15 @@ SHARDED_PACKED = textwrap.dedent("""
         assert out.sharding.spec == P(None, spec[1]), (spec, out.sharding)  # x is replicated
         np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(reference.dequantize()),
                                    rtol=1e-5, atol=1e-5)
+    # 4 blocks of 16 rows cannot split over 8 shards: a clear error, not JAX's deep one.
+    w = jax.device_put(np.ones((64, 32), np.float32), NamedSharding(mesh, P(("data", "model"))))
+    try:
+      jax.jit(lambda w: jq.quantize_params(
+          w, jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=16)))(w)
+    except ValueError as error:
+      assert "rule.block_size" in str(error) and "8 shards" in str(error), error
+    else:
+      raise AssertionError("blocks that straddle shards were accepted")
     print("ok")
 """)
 
