@@ -275,7 +275,7 @@ def dot_general_static_int8(
   )
 
 
-def _fake_quantize_symmetric(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
+def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   scale = lax.stop_gradient(_symmetric_scale(x, reduced))
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
@@ -421,7 +421,7 @@ def dot_general_fake_quant(
   (lhs_contracting, _), _ = dimension_numbers
   lhs = _dtypes.float_input("dot_general_fake_quant", "lhs", jnp.asarray(lhs))
   return lax.dot_general(
-      _fake_quantize_symmetric(lhs, lhs_contracting), rhs, dimension_numbers, precision,
+      _fake_quantize_int8(lhs, lhs_contracting), rhs, dimension_numbers, precision,
       preferred_element_type, out_sharding=out_sharding,
   )
 
@@ -741,7 +741,7 @@ def conv_general_dilated_fake_quant(
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
   return lax.conv_general_dilated(
-      _fake_quantize_symmetric(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
+      _fake_quantize_int8(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
       rhs_dilation, numbers, feature_group_count, batch_group_count, precision,
       preferred_element_type, out_sharding=out_sharding,
   )
