@@ -90,7 +90,7 @@ def report(case, got, want, compiled, x_sharding, shard_elements):
       for g, w in zip(got_leaves, want_leaves, strict=True))
   sharding = all(
       g.sharding.is_equivalent_to(x_sharding, g.ndim)
-      for g in got_leaves if g.shape == got_leaves[0].shape and g.ndim == 2)
+      for g in got_leaves if g.shape == got_leaves[0].shape and g.ndim == len(x_sharding.spec))
   found = [] if compiled is None else collectives(compiled)
   result = dict(
       case=case, equal=equal, sharding=sharding, shard_elements=shard_elements,
@@ -159,6 +159,28 @@ def jit_cases(mesh_name):
             jax.device_put(packed, x_sharding), packed)
         report(f"jit {mesh_name} - {packing} - aligned", f(argument), f(local),
                f.lower(argument).compile().as_text(), x_sharding, shard_elements // 2)
+
+
+def vmap_cases():
+  """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
+  shape, names, _ = MESHES["2d"]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  spec = P("r", None, "c")
+  x_sharding = NamedSharding(mesh, spec)
+  columns, block_size = BLOCKED["aligned"]
+  rng = np.random.default_rng(11)
+  x = (rng.standard_normal((4, ROWS, columns)) * 0.1).astype(np.float32)
+  s, _, kw = layouts(columns, block_size)["blocked"]
+  xs = jax.device_put(x, x_sharding)
+  for implementation in ("xla", "pallas"):
+    for name, op in [
+        ("vmap(quantize_linear)", lambda x: jq.quantize_linear(
+            x, s, **kw, output_dtype=jnp.int8, implementation=implementation)),
+        ("vmap(dynamic_quantize_linear)", lambda x: jq.dynamic_quantize_linear(
+            x, **kw, implementation=implementation))]:
+      f = jax.jit(jax.vmap(op))
+      report(f"jit 2d {implementation} {name} blocked aligned", f(xs), f(x),
+             f.lower(xs).compile().as_text(), x_sharding, x.size // mesh.size)
 
 
 def shard_map_cases():
@@ -255,5 +277,6 @@ if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   for mesh_name in MESHES:
     jit_cases(mesh_name)
+  vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()

@@ -136,6 +136,7 @@ def test_pallas_under_jit_runs_one_kernel_per_shard(cases):
     for layout in ("per-tensor", "per-axis", "blocked"):
       assert any(f" {mesh} " in name and f" {layout} " in name for name in pallas)
   assert any(" 2d " in name and "straddling" in name for name in pallas)  # 96 columns: 6 blocks
+  assert any("vmap(" in name for name in pallas)
   assert {name: case["collectives"] for name, case in pallas.items()
           if case["collectives"]} == {}
   assert [name for name, case in pallas.items() if not case["sharding"]] == []
