@@ -301,6 +301,31 @@ def test_default_implementation_is_xla_until_a_kernel_is_measured_faster():
   )
 
 
+def test_default_implementation_runs_the_kernel_where_the_table_lists_it(monkeypatch):
+  # Listed for CPU: None runs these kernels here (one branch per platform,
+  # picked when lowered), with the same bits, batching and derivatives.
+  monkeypatch.setattr(_dispatch, "PALLAS_FASTER",
+                      {"cpu": frozenset({"quantize_linear", "dequantize_linear"})})
+  jax.clear_caches()  # the ops' traces read the table
+  try:
+    x = jnp.linspace(-3.0, 3.0, 8 * 128).reshape(8, 128)
+    quantize = functools.partial(jq.quantize_linear, scale=0.02, output_dtype=jnp.int8)
+    assert _uses_pallas(quantize, x)
+    assert not _uses_pallas(jq.dynamic_quantize_linear, x)  # not listed
+    q = jq.quantize_linear(x, 0.02, output_dtype=jnp.int8, implementation="xla")
+    assert_bits_equal(quantize(x), q)
+    assert_bits_equal(jax.vmap(quantize)(x), q)
+
+    def loss(scale, implementation=None):
+      y = jq.dequantize_linear(q, scale, implementation=implementation)
+      return jnp.sum(jnp.sin(y))
+
+    assert _uses_pallas(loss, 0.5)
+    assert_bits_equal(jax.grad(loss)(0.5), jax.grad(loss)(0.5, "xla"))
+  finally:
+    jax.clear_caches()
+
+
 # --- the kernels under each backend's tiling, against their XLA twins ---------------
 
 # Small caps force several grid steps and padded edges on small arrays.
