@@ -1,6 +1,15 @@
-"""Shared test configuration: hypothesis profiles sized for a 2-core CI machine.
+"""Shared test configuration: the fast loop's selection and hypothesis profiles.
 
-``HYPOTHESIS_PROFILE`` picks one (README, "Running the tests"):
+``pytest -m "not slow"`` is the edit-test loop, ``pytest`` the whole suite.
+Besides the tests marked ``slow`` by hand, :func:`pytest_collection_modifyitems`
+marks ``slow`` the cases of a parametrized test that add no new call mode
+(``CALL_MODES``), and hypothesis properties: the loop keeps each test's first
+case and one case per implementation, jit mode and lowering platform, and
+leaves the sweeps over dtypes, shapes, layouts and seeds to the full run. In
+the API and error tables (``CASE_TABLES``) every value of every parameter runs
+once, so each error case is still raised in the loop.
+
+``HYPOTHESIS_PROFILE`` picks the hypothesis profile (README, "Running the tests"):
 
 * ``ci`` (default): 60 examples per property, derandomized, so every run
   draws the same examples and a failure reproduces as it is;
@@ -11,8 +20,26 @@
 """
 
 import os
+import tempfile
 
 import hypothesis
+import jax
+import pytest
+
+# Most of a test's time is XLA compiling programs the last run compiled too:
+# JAX's persistent cache keeps them on disk (keyed by the program, the
+# compiler and its options, so a changed op recompiles), and the next run
+# loads them. JAX_COMPILATION_CACHE_DIR moves it; JAX_ENABLE_COMPILATION_CACHE=false
+# turns it off.
+if jax.config.jax_compilation_cache_dir is None:
+  jax.config.update("jax_compilation_cache_dir",
+                    os.path.join(tempfile.gettempdir(), "jaxquant-tests-xla-cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+# Parameters that pick how an op is called rather than what it computes.
+CALL_MODES = frozenset({"implementation", "mode", "under_jit", "style", "platform", "backend"})
+# Files of one-line API and error cases, milliseconds each.
+CASE_TABLES = frozenset({"test_api.py", "test_errors.py"})
 
 # Each new shape compiles a fresh XLA program, so examples cost milliseconds,
 # not microseconds; deadlines would only measure the compiler.
@@ -29,3 +56,26 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
+def pytest_collection_modifyitems(items):
+  """Marks ``slow`` the cases that repeat what an earlier case covered (module docstring)."""
+  covered: dict[str, set[tuple[str, str]]] = {}
+  for item in items:
+    if item.get_closest_marker("slow"):
+      continue
+    if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+      item.add_marker(pytest.mark.slow)
+      continue
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+      continue
+    whole_table = item.path.name in CASE_TABLES
+    values = {(name, repr(value)) for name, value in callspec.params.items()
+              if whole_table or name in CALL_MODES}
+    test = f"{item.parent.nodeid}::{item.originalname}"
+    if test in covered and values <= covered[test]:
+      item.add_marker(pytest.mark.slow)
+    else:
+      covered.setdefault(test, set()).update(values)

@@ -46,6 +46,7 @@ def _run(*code, **environment):
 
 
 @pytest.mark.skipif(not GLIBC_X86, reason="the allocator settings are glibc's, the flag x86's")
+@pytest.mark.slow  # a fresh interpreter counting page faults of 64 MiB results
 def test_applies_both_settings_once_and_the_faults_go():
   out = _run("""
     import os
@@ -66,6 +67,7 @@ def test_applies_both_settings_once_and_the_faults_go():
 
 
 @pytest.mark.skipif(not GLIBC_X86, reason="glibc's mmap threshold")
+@pytest.mark.slow  # a fresh interpreter counting page faults of 64 MiB results
 def test_untuned_large_results_fault_in_every_page():
   out = _run(FAULTS, "print(json.dumps(faults))")
   assert out >= 16384
