@@ -115,8 +115,23 @@ def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
 
 def pack_codes(x: jax.Array, bits: int) -> jax.Array:
   """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
-  per_group, group_bytes, word = _group(bits)
   size = x.size
+  if bits in (2, 4) and size and x.ndim and x.shape[-1] % 4 == 0:
+    # Four codes read as one uint32 and packed with shifts, all in contiguous
+    # words: XLA:CPU vectorizes that, where the strided lanes x[:, i] below
+    # compile to scalar code (a per-column int4 quantize ran 2.6x slower).
+    # The words stay within x's last dim, so a fused producer indexes its
+    # parameters without dividing a flat index. A bitcast reads memory order,
+    # little-endian on XLA's backends: code i is byte i of its word, and the
+    # int4 pairs' uint16 splits into its bytes in stream order.
+    words = lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (-1, 4)), jnp.uint32)
+    mask = (1 << bits) - 1
+    packed = functools.reduce(jnp.bitwise_or, [
+        ((words >> (8 * i)) & mask) << (bits * i) for i in range(4)])
+    if bits == 2:
+      return packed.astype(jnp.uint8).reshape(-1)
+    return lax.bitcast_convert_type(packed.astype(jnp.uint16), jnp.uint8).reshape(-1)
+  per_group, group_bytes, word = _group(bits)
   x = jnp.pad(x.reshape(-1), (0, -size % per_group)).reshape(-1, per_group).astype(word)
   groups = x[:, 0]
   for i in range(1, per_group):
