@@ -116,7 +116,9 @@ def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
 def pack_codes(x: jax.Array, bits: int) -> jax.Array:
   """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
   size = x.size
-  if bits in (2, 4) and size and x.ndim and x.shape[-1] % 4 == 0:
+  # XLA cannot bitcast an array of symbolic shape (jax.export): the lanes then.
+  static = all(isinstance(d, int) for d in x.shape)
+  if bits in (2, 4) and static and size and x.ndim and x.shape[-1] % 4 == 0:
     # Four codes read as one uint32 and packed with shifts, all in contiguous
     # words: XLA:CPU vectorizes that, where the strided lanes x[:, i] below
     # compile to scalar code (a per-column int4 quantize ran 2.6x slower).
