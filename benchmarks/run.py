@@ -5,6 +5,7 @@
                          [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
                          [--tune]
     python -m benchmarks --from-json benchmarks/results/cpu.json --markdown [filters]
+    python -m benchmarks --overhead [--repeats 15]
 
 Every case runs its peers interleaved (one call each, round after round) on the
 same data in one process, and reports medians:
@@ -27,6 +28,12 @@ ratio ``onnxruntime ms / jaxquant ms`` (> 1: jaxquant is faster) and
 jaxquant's fraction of the copy baseline's rate. The JSON holds every peer's
 median; notebooks/04_kernels_and_speed.ipynb plots it. Machines are shared:
 compare ratios within one run, never absolute times across runs.
+
+``--overhead`` times instead what one call of each public op costs on a
+1024-element input, where dispatch, not data, is the cost: the public call
+against the same call without jaxquant's binding (``op._body`` called with the
+arguments the binding passes on: for the ops jitted whole, the jit itself),
+interleaved, microseconds per call (100 calls then one wait), medians.
 """
 
 from __future__ import annotations
@@ -438,6 +445,52 @@ def _machine():
   return info
 
 
+def overhead(repeats, calls=100):
+  """Microseconds per call of each public op, bound and not, on 1024 elements."""
+  x = jnp.linspace(-4.0, 4.0, 1024, dtype=jnp.float32)
+  q = jnp.arange(1024, dtype=jnp.int32).astype(jnp.int8)
+  s, z = jnp.float32(0.05), jnp.uint8(3)
+  a, b = q.reshape(32, 32), q.reshape(32, 32)
+  ops = {
+      "quantize_linear": (jq.quantize_linear, (x, s), {"output_dtype": jnp.int8}),
+      "dequantize_linear": (jq.dequantize_linear, (q, s), {}),
+      "dynamic_quantize_linear": (jq.dynamic_quantize_linear, (x,), {}),
+      "quantized_add": (jq.quantized_add, (q, s, None, q, s, None, s), {}),
+      "fake_quantize": (jq.fake_quantize, (x, s), {"dtype": jnp.int8}),
+      "matmul_integer": (jq.matmul_integer, (a, b), {}),
+      "qlinear_matmul": (jq.qlinear_matmul, (a.view(jnp.uint8), s, z, b, s, None, s, z), {}),
+      "quantized_dot_general": (jq.quantized_dot_general, (a, b, (((1,), (0,)), ((), ()))),
+                                {"lhs_scale": s}),
+      "matmul_nbits": (jq.matmul_nbits, (x.reshape(1, 1024), jq.pack(q.astype(jnp.int4)),
+                                         jnp.full((1, 32), s)),
+                       {"K": 1024, "N": 1, "block_size": 32}),
+      "pack": (jq.pack, (q.astype(jnp.int4),), {}),
+      "unpack": (jq.unpack, (q[:512].view(jnp.uint8), (1024,), jnp.int4), {}),
+  }
+
+  def batch(function):
+    def run():
+      for _ in range(calls - 1):
+        function()
+      return function()
+    return run
+
+  print(f"load average {os.getloadavg()}")
+  print(f"{'op':24} {'public us':>9} {'unbound us':>10} {'binding us':>10}")
+  rows = []
+  for name, (op, positional, keywords) in ops.items():
+    arguments = op._arguments(*positional, **keywords)  # pylint: disable=protected-access
+    medians, _ = interleaved_median_ms({
+        "public": batch(lambda: op(*positional, **keywords)),
+        "unbound": batch(lambda: op._body(**arguments)),  # pylint: disable=protected-access
+    }, repeats=repeats)
+    public, unbound = (medians[k] * 1e3 / calls for k in ("public", "unbound"))
+    rows.append({"op": name, "public_us": public, "unbound_us": unbound})
+    print(f"{name:24} {public:9.2f} {unbound:10.2f} {public - unbound:10.2f}", flush=True)
+  print(f"load average {os.getloadavg()}")
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m benchmarks",
                                    description=__doc__.splitlines()[0])
@@ -459,7 +512,11 @@ def main(argv=None):
   parser.add_argument("--tune", action="store_true",
                       help="apply jaxquant.tune_cpu() first (glibc heap for large results, "
                            "512-bit vectors); recorded in the JSON's machine info")
+  parser.add_argument("--overhead", action="store_true",
+                      help="time each public op's per-call overhead on 1024 elements instead")
   args = parser.parse_args(argv)
+  if args.overhead:
+    return overhead(args.repeats)
   # Before anything starts JAX's backend, or it applies nothing.
   tuned = jq.tune_cpu() if args.tune and args.from_json is None else None
 

@@ -21,6 +21,7 @@ import difflib
 import functools
 import inspect
 import math
+import operator
 from typing import Any
 
 import jax
@@ -112,6 +113,36 @@ def _unexpected_keyword(name: str, error: TypeError, parameters: Sequence[str]) 
   return TypeError(f"{name}() {message}{hint}")
 
 
+# Distinct option tuples one op remembers; beyond, options are normalised
+# every call (as correct, slower).
+_CACHE_SIZE = 256
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+  """``arguments -> tuple of arguments[name] for names``, at C speed."""
+  if len(names) == 1:
+    get = operator.itemgetter(*names)
+    return lambda arguments: (get(arguments),)
+  return operator.itemgetter(*names) if names else lambda arguments: ()
+
+
+def _types(value: Any) -> Any:
+  return tuple(map(_types, value)) if type(value) is tuple else type(value)
+
+
+def _key(values: tuple[Any, ...]) -> tuple[Any, Any]:
+  """A cache key for static options that tells equal values of other types apart.
+
+  ``True == 1 == 1.0`` and ``(True,) == (1,)``, but only some of them are a
+  valid option. The types come first, so values of other types (a symbolic
+  dim and an int) are never compared.
+  """
+  types = tuple(map(type, values))
+  if tuple in types:
+    types = _types(values)
+  return types, values
+
+
 def op(
     *,
     jit: bool = False,
@@ -139,21 +170,42 @@ def op(
     name = function.__name__
     signature = inspect.signature(function)
     parameters = list(signature.parameters)
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+           for p in signature.parameters.values()):
+      raise TypeError(f"{name}: a public op takes named parameters only")
     body = jax.jit(function, static_argnames=tuple(normalizers)) if jit else function
-    kinds = {p.name: p.kind for p in signature.parameters.values()}
-    positional = [n for n, kind in kinds.items() if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    keyword_only = [n for n, kind in kinds.items() if kind is inspect.Parameter.KEYWORD_ONLY]
-    defaults = {p.name: p.default for p in signature.parameters.values()
-                if p.default is not inspect.Parameter.empty}
-    # ``inspect.Signature.bind`` costs about as much as jit's own dispatch; a
-    # call that names only known parameters, each once, is bound by hand.
-    simple = len(positional) + len(keyword_only) == len(kinds)
+    names = signature.parameters.keys()
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    # Defaults of static options are normalised once, here.
+    defaults = {
+        p.name: (normalizers[p.name](name, p.name, p.default) if p.name in normalizers
+                 else p.default)
+        for p in signature.parameters.values() if p.default is not inspect.Parameter.empty
+    }
+    static = tuple(normalizers)
+    # A call with fewer positional arguments and no keywords gives no static
+    # option: its defaults are normalised already.
+    first_static = min([positional.index(n) for n in static if n in positional],
+                       default=len(positional))
+    steps = tuple(normalizers.items())
+    options = _getter(static)
+    # Static options as given -> as normalised: a repeated call's options
+    # cost one lookup. Only options that normalised without error are kept,
+    # so a bad one raises on every call.
+    normalised: dict[Any, dict[str, Any]] = {}
 
     def bind(args, kwargs):
-      if (simple and len(args) <= len(positional) and kwargs.keys() <= kinds.keys()
-          and kwargs.keys().isdisjoint(positional[:len(args)])):
-        arguments = {**defaults, **dict(zip(positional, args)), **kwargs}
-        if len(arguments) == len(kinds):
+      # ``inspect.Signature.bind`` costs about as much as jit's own dispatch:
+      # a call naming known parameters, each once, is bound by hand; any
+      # other gets Signature.bind's error.
+      arguments = dict(zip(positional, args))
+      if kwargs:
+        arguments.update(kwargs)
+      if len(arguments) == len(args) + len(kwargs) and (not kwargs or kwargs.keys() <= names):
+        if len(arguments) < len(names):
+          arguments = {**defaults, **arguments}
+        if len(arguments) == len(names):
           return arguments
       try:
         bound_arguments = signature.bind(*args, **kwargs)
@@ -162,17 +214,38 @@ def op(
       bound_arguments.apply_defaults()
       return bound_arguments.arguments
 
-    @functools.wraps(function)
-    def bound(*args, **kwargs):
+    def normalise(values):
+      key = _key(values)
+      try:
+        return normalised[key]
+      except KeyError:
+        pass
+      except TypeError:  # an unhashable option (a list shape): normalised every call
+        key = None
+      result = {argument: normalize(name, argument, value)
+                for (argument, normalize), value in zip(steps, values)}
+      if key is not None and len(normalised) < _CACHE_SIZE:
+        normalised[key] = result
+      return result
+
+    def arguments_of(args, kwargs):
       arguments = bind(args, kwargs)
-      for argument, normalize in normalizers.items():
-        arguments[argument] = normalize(name, argument, arguments[argument])
+      if static and (kwargs or len(args) > first_static):
+        arguments.update(normalise(options(arguments)))
       if check is not None:
         check(name, arguments)
       if _checked.enabled():
         _checked.check(name, arguments)
-      return body(*(arguments[n] for n in positional), **{n: arguments[n] for n in keyword_only})
+      return arguments
 
+    @functools.wraps(function)
+    def bound(*args, **kwargs):
+      return body(**arguments_of(args, kwargs))
+
+    # What a call passes on, and to what: benchmarks/run.py --overhead times
+    # the op without its binding.
+    bound._arguments = lambda *args, **kwargs: arguments_of(args, kwargs)  # pylint: disable=protected-access
+    bound._body = body  # pylint: disable=protected-access
     if jit:
       # How many programs the op has compiled: the retracing tests read it.
       bound._cache_size = body._cache_size  # pylint: disable=protected-access

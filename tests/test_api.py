@@ -1,6 +1,7 @@
 """The public API explains itself: real signatures, Python's keyword errors, one compile per dtype."""
 
 import dataclasses
+import re
 import inspect
 import pydoc
 
@@ -69,3 +70,63 @@ def test_ops_still_run_under_an_outer_jit_and_vmap():
   f = jax.jit(jax.vmap(lambda x: jq.dequantize_linear(
       jq.quantize_linear(x, 0.5, output_dtype="int8"), 0.5)))
   np.testing.assert_array_equal(f(jnp.ones((3, 4))), np.ones((3, 4), np.float32))
+
+
+def _error(call):
+  with pytest.raises((TypeError, ValueError)) as info:
+    call()
+  return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("good, bad", [
+    # Each pair compares equal (and hashes alike) but only the first is valid:
+    # the remembered options of the good call must not answer for the bad one.
+    (lambda: jq.dequantize_linear(jnp.ones(4, jnp.int8), 1.0, axis=0),
+     lambda: jq.dequantize_linear(jnp.ones(4, jnp.int8), 1.0, axis=False)),
+    (lambda: jq.dequantize_linear(jnp.ones(4, jnp.int8), 1.0, axis=0),
+     lambda: jq.dequantize_linear(jnp.ones(4, jnp.int8), 1.0, axis=0.0)),
+    (lambda: jq.quantize_linear(jnp.ones(4), 1.0, saturate=True),
+     lambda: jq.quantize_linear(jnp.ones(4), 1.0, saturate=1)),
+    (lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (2,), jnp.int4),
+     lambda: jq.unpack(jnp.zeros(1, jnp.uint8), (2.0,), jnp.int4)),
+    (lambda: jq.fake_quantize_learnable(jnp.ones(4), jnp.float32(1.0), grad_factor=1.0),
+     lambda: jq.fake_quantize_learnable(jnp.ones(4), jnp.float32(1.0), grad_factor=True)),
+])
+def test_a_bad_option_raises_on_every_call_after_an_equal_good_one(good, bad):
+  good()
+  first = _error(bad)
+  good()
+  assert _error(bad) == _error(bad) == first
+
+
+def test_a_repeated_call_returns_the_first_calls_result_and_compiles_once():
+  x = jnp.linspace(-3.0, 3.0, 24).reshape(4, 6)
+  scale = jnp.full((4, 2), 0.25)
+  def call():
+    return jq.quantize_linear(x, scale, axis=1, block_size=3, output_dtype="int4",
+                              precision=np.float32, packed=True)
+  before = _linear._quantize_linear._cache_size()  # pylint: disable=protected-access
+  first = call()
+  for _ in range(3):
+    np.testing.assert_array_equal(call(), first)
+  assert _linear._quantize_linear._cache_size() == before + 1  # pylint: disable=protected-access
+  # A static option given positionally, and as a list (unhashable: normalised every call).
+  packed = jq.pack(jnp.arange(-3, 3, dtype=jnp.int4))
+  for shape in ((6,), [6], (6,), [6]):
+    np.testing.assert_array_equal(jq.unpack(packed, shape, jnp.int4),
+                                  np.arange(-3, 3).astype(np.int8).astype(jnp.int4))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: jq.dequantize_linear(jnp.ones(2, jnp.int8), 1.0, scale=1.0),
+     "multiple values for argument 'scale'"),
+    (lambda: jq.dequantize_linear(jnp.ones(2, jnp.int8), axes=0),
+     "dequantize_linear() "),
+    (lambda: jq.dequantize_linear(jnp.ones(2, jnp.int8)), "missing a required argument"),
+    (lambda: jq.dequantize_linear(jnp.ones(2, jnp.int8), 1.0, None, 1),
+     "too many positional arguments"),
+])
+def test_a_malformed_call_raises_pythons_type_error_every_time(call, message):
+  for _ in range(3):
+    with pytest.raises(TypeError, match=re.escape(message)):
+      call()
