@@ -52,6 +52,16 @@ class Granularity:
         if _several(block) and _several(params)
     )
 
+  @property
+  def kernel_blocks(self) -> tuple[int, ...]:
+    """Per dim, the x elements one parameter covers where it is split, else 1 (the kernels')."""
+    split = self.split_dims
+    return tuple(b if d in split else 1 for d, b in enumerate(self.block_shape))
+
+  def shaped(self, params: Sequence[jax.Array | None]) -> list[jax.Array | None]:
+    """The parameters in :attr:`param_shape` (``None`` stays ``None``)."""
+    return [None if p is None else jnp.reshape(p, self.param_shape) for p in params]
+
 
 def _several(n) -> bool:
   """``n > 1`` for a dimension size; a symbolic one (``jax.export``) counts as several.
@@ -196,19 +206,6 @@ def _slice_params(params, d: int, start: int, stop: int):
   return [None if p is None else lax.slice_in_dim(p, start, stop, axis=d) for p in params]
 
 
-def _blocked_shape(
-    shape: Sequence[int], granularity: Granularity, *, params: bool = False
-) -> list[int]:
-  """``shape`` with each split dim as ``(blocks, block)``, or ``(blocks, 1)`` for parameters."""
-  blocked = []
-  for d, length in enumerate(shape):
-    if d in granularity.split_dims:
-      blocked += [granularity.param_shape[d], 1 if params else granularity.block_shape[d]]
-    else:
-      blocked.append(length)
-  return blocked
-
-
 def expand_params(
     params: Sequence[jax.Array | None], granularity: Granularity, shape: Sequence[int]
 ) -> list[jax.Array | None]:
@@ -219,7 +216,7 @@ def expand_params(
   XLA fuses this into the element-wise formula that consumes it, so nothing
   x-sized is written; along the other dims the parameter keeps size 1.
   """
-  params = [None if p is None else jnp.reshape(p, granularity.param_shape) for p in params]
+  params = granularity.shaped(params)
   for d, length in enumerate(shape):
     if length == 0:
       # An empty dim of x is a multiple of any scale dim; its blocks are empty.
@@ -265,37 +262,6 @@ def apply_blockwise(
   return formula(x, *expand_params(params, granularity, x.shape))
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelView:
-  """Operands laid out for a Pallas kernel: every dim of a parameter is x's or 1.
-
-  Attributes:
-    x: x padded to whole blocks, each split dim reshaped to ``(blocks, block)``
-      (packed sub-byte data: the last dim holds bytes, ``elements_per_byte`` each).
-    params: the parameters reshaped to broadcast against ``x`` (1 along each
-      block's extent); ``None`` stays ``None``.
-    param_shape: the parameters' shape in the view.
-    shape: the logical shape of x, restored by :meth:`restore`.
-    padded_shape: ``shape`` rounded up to whole blocks.
-  """
-
-  x: jax.Array
-  params: list[jax.Array | None]
-  param_shape: tuple[int, ...]
-  shape: tuple[int, ...]
-  padded_shape: tuple[int, ...]
-
-  @property
-  def keep(self) -> tuple[bool, ...]:
-    """Per dim of the view, whether parameters vary along it (else it is reduced)."""
-    return tuple(p != 1 or n == 1 for p, n in zip(self.param_shape, self.x.shape))
-
-  def restore(self, y: jax.Array) -> jax.Array:
-    """A result on the view (x's elements, unpacked) back in x's shape."""
-    y = y.reshape(self.padded_shape)
-    return y[tuple(slice(0, n) for n in self.shape)]
-
-
 def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: int) -> bool:
   """Whether packed x can enter a kernel as bytes: no byte straddles a row or a block.
 
@@ -307,61 +273,6 @@ def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: 
   return bool(shape) and shape[-1] % elements_per_byte == 0 and (
       last not in granularity.split_dims
       or granularity.block_shape[-1] % elements_per_byte == 0
-  )
-
-
-def kernel_view(
-    x: jax.Array,
-    params: Sequence[jax.Array | None],
-    granularity: Granularity,
-    *,
-    shape: Sequence[int] | None = None,
-    elements_per_byte: int = 1,
-    pad_value: float = 0,
-) -> KernelView:
-  """Lays x and its parameters out for a kernel (the layout's blocks as broadcasts).
-
-  A blocked or block-wise layout becomes a plain broadcast once each split
-  dim is viewed as ``(blocks, block)``: the parameters then have size 1 along
-  every block extent, which a kernel's index map reads without expanding them.
-  A short last block is padded with ``pad_value``.
-
-  Args:
-    x: the input, of ``shape``; or, with ``elements_per_byte > 1``, packed
-      bytes (see :func:`packable`) holding ``shape`` elements, that many per
-      byte along the last dim.
-    params: arrays with ``prod(granularity.param_shape)`` elements, or ``None``.
-    granularity: from :func:`resolve` or :func:`for_reduction`.
-    shape: the logical shape of x; default ``x.shape``.
-    elements_per_byte: ``8 // bits`` for packed sub-byte x, else 1.
-    pad_value: what the padding of a short last block holds.
-
-  Returns:
-    The :class:`KernelView`.
-  """
-  shape = tuple(x.shape if shape is None else shape)
-  per_byte = elements_per_byte
-  if per_byte > 1:
-    x = x.reshape(shape[:-1] + (shape[-1] // per_byte,))
-  split = granularity.split_dims
-  padded = tuple(
-      granularity.param_shape[d] * granularity.block_shape[d] if d in split else n
-      for d, n in enumerate(shape)
-  )
-  last = len(shape) - 1
-  if padded != shape:
-    x = jnp.pad(x, [
-        (0, (p - n) // (per_byte if d == last else 1))
-        for d, (p, n) in enumerate(zip(padded, shape))
-    ], constant_values=pad_value)
-  x_view = _blocked_shape(padded, granularity)
-  param_view = _blocked_shape(granularity.param_shape, granularity, params=True)
-  if per_byte > 1:
-    x_view[-1] //= per_byte
-  return KernelView(
-      x.reshape(x_view),
-      [None if p is None else jnp.reshape(p, param_view) for p in params],
-      tuple(param_view), shape, padded,
   )
 
 

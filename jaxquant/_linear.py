@@ -296,13 +296,13 @@ def _dequantize_linear(
     return xla(x, scale, zero_point)
 
   def kernel(x, scale, zero_point):
-    view = _granularity.kernel_view(
-        x, [scale, zero_point], granularity, shape=shape, elements_per_byte=per_byte
+    if per_byte > 1:
+      x = x.reshape(shape[:-1] + (shape[-1] // per_byte,))
+    return pallas_kernels.dequantize(
+        x, *granularity.shaped([scale, zero_point]), formula=formula,
+        output_dtype=output_dtype, packed_dtype=info.dtype if per_byte > 1 else None,
+        blocks=granularity.kernel_blocks,
     )
-    return view.restore(pallas_kernels.dequantize(
-        view.x, *view.params, formula=formula, output_dtype=output_dtype,
-        packed_dtype=info.dtype if per_byte > 1 else None,
-    ))
 
   return _dispatch.with_xla_derivatives(
       kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
@@ -577,10 +577,10 @@ def _quantize_linear(
     return xla(x, scale, zero_point)
 
   def kernel(x, scale, zero_point):
-    view = _granularity.kernel_view(x, [scale, zero_point], granularity)
-    y = view.restore(pallas_kernels.quantize(
-        view.x, *view.params, formula=formula, output_dtype=info.array_dtype
-    ))
+    y = pallas_kernels.quantize(
+        x, *granularity.shaped([scale, zero_point]), formula=formula,
+        output_dtype=info.array_dtype, blocks=granularity.kernel_blocks,
+    )
     return _packing.pack_codes(_packing.to_codes(y, info), info.bits) if packed else y
 
   return _dispatch.with_xla_derivatives(

@@ -78,6 +78,50 @@ def _dispatch(
   ))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+  """How the shards of one blocked dim lie against its blocks.
+
+  ``shards`` shards of ``length`` elements each over blocks of ``block``.
+  Where ``length`` is a multiple of ``block`` every shard holds whole blocks
+  (``slots`` is None); otherwise shard ``s`` touches blocks ``first(s)`` to
+  ``last(s)``, at most ``slots`` of them.
+  """
+
+  shards: int
+  length: int
+  block: int
+
+  def first(self, s: int) -> int:
+    return s * self.length // self.block
+
+  def last(self, s: int) -> int:
+    return ((s + 1) * self.length - 1) // self.block
+
+  @property
+  def slots(self) -> int | None:
+    if self.length % self.block == 0:
+      return None
+    return max(self.last(s) - self.first(s) + 1 for s in range(self.shards))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+  """The part of a call's output that one kernel call computes.
+
+  Attributes:
+    shape: the output's shape there (a shard's, when partitioned).
+    blocks, reduced: per dim, as for :func:`_sharded`.
+    origins: per dim split over devices with ``blocks > 1``, the shard's first
+      index along it (traced) and the :class:`_Cut`; else ``None``.
+  """
+
+  shape: tuple[int, ...]
+  blocks: tuple[int, ...]
+  reduced: tuple[bool, ...]
+  origins: tuple[tuple[jax.Array, _Cut] | None, ...]
+
+
 def _sharded(
     run: Callable[..., tuple[jax.Array, ...]],
     arrays: Sequence[jax.Array],
@@ -86,46 +130,65 @@ def _sharded(
     *,
     result_count: int,
     per_byte: Sequence[int],
+    blocks: Sequence[int] | None = None,
     reduced: Sequence[bool] | None = None,
-    combine: Callable[[list[jax.Array]], tuple[jax.Array, ...]] | None = None,
+    combine: Callable[[list[jax.Array], int], tuple[jax.Array, ...]] | None = None,
+    fill: float = 0,
 ) -> tuple[jax.Array, ...]:
-  """``run(*arrays, reduced=reduced)``, run on each device's shards when ``jax.jit`` partitions it.
+  """``run(*arrays, part=...)``, run on each device's shards under ``jax.jit``.
 
   XLA cannot see into a ``pallas_call``: left to itself it gathers the
   operands and replicates the result. Here the call is a
   ``custom_partitioning`` whose rule (a Shardy einsum) pairs each dim of the
   output with the same dim of every operand that has it, so each dim is split
-  the way the data operand is, an operand's broadcast (size-1) dims are
-  replicated, and every device runs ``run`` on its own shards: the kernel
-  built for the local shapes. A dim that does not split evenly (or, for a
-  packed operand, into whole bytes) is replicated instead: the same bits, at
-  the cost of gathering that dim. On one device, inside ``shard_map`` and for
-  symbolic shapes the call is ``run`` itself. Under ``vmap`` the batch is one
-  more leading dim of every operand (size 1 where unbatched), partitioned alike.
+  the way the data operand is, an operand's broadcast (size-1) and blocked
+  dims are replicated (a parameter's size), and every device runs ``run`` on
+  its own shards: the kernel built for the local shapes. A dim that does not
+  split evenly (or, for a packed operand, into whole bytes) is replicated
+  instead: the same bits, at the cost of gathering that dim. On one device,
+  inside ``shard_map`` and for symbolic shapes the call is ``run`` itself.
+  Under ``vmap`` the batch is one more leading dim of every operand (size 1
+  where unbatched), partitioned alike.
+
+  A blocked dim ``k`` (``blocks[k] > 1``) may be split anywhere, block edges
+  or not: ``run`` is told where its shard starts (``part.origins[k]``) and
+  finds each element's block from it. A reduction's
+  per-block partial results of a shard whose edges cut blocks come in
+  ``cut.slots`` slots, the shard's ``s``-th from block ``cut.first(s)``: the
+  slots of every shard (a parameter's size) are gathered and each block's
+  combined.
 
   Args:
     run: the kernel call, a function of arrays of any consistent shapes (of any
-      rank) and, by keyword, of ``reduced`` for that rank.
+      rank) and, by keyword, of the :class:`_Part` it computes.
     arrays: its operands.
     logical: each operand's shape, a packed operand's counted in elements.
     out_shape: the shape the operands broadcast to; every result has it,
-      but for the ``reduced`` dims, which are 1 in the results.
+      but for the ``reduced`` dims, which are 1 in the results, and, with
+      ``combine``, the blocked dims, which count blocks.
     result_count: how many results ``run`` returns.
     per_byte: each operand's elements per byte (1 where not packed).
+    blocks: per dim of ``out_shape``, the elements one element of a blocked
+      operand covers (an operand of ``ceil(n / blocks[k])`` there); default 1.
     reduced: per dim of ``out_shape``, whether ``run`` reduces it (default none).
-    combine: where a reduced dim is split, maps the results of every shard
-      (gathered along a new leading axis: one partial result per shard, the
-      size of a parameter, never of x) to the combined results.
+    combine: for a reduction, ``combine(partials, axis)`` reduces each result's
+      partials (several per parameter: one per shard, or per shard touching a
+      block) over ``axis`` and drops it.
+    fill: what an empty slot of partials holds (a value ``combine`` ignores).
 
   Returns:
     ``run(*arrays)``, each result split like the operand it follows.
   """
   rank = len(out_shape)
   reduced = tuple(reduced or (False,) * rank)
+  blocks = tuple(blocks or (1,) * rank)
+  whole = _Part(tuple(out_shape), blocks, reduced, (None,) * rank)
   if rank == 0 or any(_tiling.symbolic(n) for n in out_shape):
-    return run(*arrays, reduced=reduced)
+    return run(*arrays, part=whole)
   packing = max(per_byte)
   last = rank - 1
+  # Results count blocks along a blocked dim of a reduction.
+  counted = tuple(combine is not None and b > 1 for b in blocks)
 
   def factor(k: int, packed: bool) -> str:
     # A packed last dim counts bytes (d), an unpacked one elements (d p).
@@ -137,7 +200,8 @@ def _sharded(
       for i, count in enumerate(per_byte)
   ]
   results = [
-      " ".join(f"r{j}_{k}" if reduced[k] else factor(k, False) for k in range(rank))
+      " ".join(f"r{j}_{k}" if reduced[k] or counted[k] else factor(k, False)
+               for k in range(rank))
       for j in range(result_count)
   ]
   rule = dict(p=packing, need_replication_factors=("p",)) if packing > 1 else {}
@@ -160,29 +224,49 @@ def _sharded(
       chosen.append(names)
     return chosen
 
+  def cuts(mesh, axes) -> list[_Cut | None]:
+    """Per dim, how its shards lie against its blocks (``None``: not blocked, or whole)."""
+    return [
+        _Cut(math.prod(mesh.shape[a] for a in names), n // math.prod(
+            mesh.shape[a] for a in names), b) if b > 1 and names else None
+        for n, b, names in zip(out_shape, blocks, axes)
+    ]
+
   def spec(axes, keep) -> PartitionSpec:
     return PartitionSpec(*(
         (a if len(a) > 1 else a[0]) if a and k else None for a, k in zip(axes, keep)))
 
   def result_shardings(mesh, axes):
-    return tuple(NamedSharding(mesh, spec(axes, [not r for r in reduced]))
-                 for _ in range(result_count))
+    # A reduction's blocks are split with x where shards hold whole blocks.
+    keep = [not r and (not c or cut is None or cut.slots is None)
+            for r, c, cut in zip(reduced, counted, cuts(mesh, axes))]
+    return tuple(NamedSharding(mesh, spec(axes, keep)) for _ in range(result_count))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     axes = mesh_axes(mesh, arg_shapes)
     split = tuple(a for k, names in enumerate(axes) if reduced[k] for a in names)
+    dim_cuts = cuts(mesh, axes)
+
+    shape = tuple(n // math.prod(mesh.shape[a] for a in names)
+                  for n, names in zip(out_shape, axes))
 
     def lower(*local):
-      outputs = run(*local, reduced=reduced)
+      origins = tuple(
+          None if cut is None else (_shard_index(mesh, names) * cut.length, cut)
+          for cut, names in zip(dim_cuts, axes))
+      outputs = run(*local, part=_Part(shape, blocks, reduced, origins))
       if split:
-        outputs = combine([lax.all_gather(o, split) for o in outputs])
+        outputs = combine([lax.all_gather(o, split) for o in outputs], 0)
+      for k, cut in enumerate(dim_cuts):
+        if counted[k] and cut is not None and cut.slots is not None:
+          outputs = _combine_slots(outputs, k, cut, axes[k], out_shape[k], combine, fill)
       return outputs
 
     return mesh, lower, result_shardings(mesh, axes), tuple(
         NamedSharding(mesh, spec(axes, follow)) for follow in follows)
 
-  partitioned = custom_partitioning(lambda *arrays: run(*arrays, reduced=reduced))
+  partitioned = custom_partitioning(lambda *arrays: run(*arrays, part=whole))
   partitioned.def_partition(
       partition,
       infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: result_shardings(
@@ -199,10 +283,44 @@ def _sharded(
     outputs = _sharded(
         run, arrays, [(a.shape[0], *shape) for a, shape in zip(arrays, logical)],
         (axis_size, *out_shape), result_count=result_count, per_byte=per_byte,
-        reduced=(False, *reduced), combine=combine)
+        blocks=(1, *blocks), reduced=(False, *reduced), combine=combine, fill=fill)
     return outputs, tuple(True for _ in outputs)
 
   return tuple(batchable(*arrays))
+
+
+def _shard_index(mesh, names: tuple[str, ...]) -> jax.Array:
+  """This device's index among the shards of a dim split over mesh axes ``names``."""
+  index = jnp.int32(0)
+  for name in names:
+    index = index * mesh.shape[name] + lax.axis_index(name)
+  return index
+
+
+def _combine_slots(outputs, k: int, cut: _Cut, names, length: int, combine, fill):
+  """Each block's partials from the slots of every shard that touches it, combined.
+
+  Every shard's ``cut.slots`` slots along dim ``k`` are gathered (a
+  parameter's size, never x's); block ``b`` reads the slots that cover it
+  (at most a few shards), an empty one reading ``fill``.
+  """
+  count = -(-length // cut.block)
+  sources: list[list[int]] = [[] for _ in range(count)]
+  slots = cut.slots
+  for s in range(cut.shards):
+    for j in range(cut.last(s) - cut.first(s) + 1):
+      sources[cut.first(s) + j].append(s * slots + j)
+  width = max(len(c) for c in sources)
+  empty = cut.shards * slots
+  table = np.array([c + [empty] * (width - len(c)) for c in sources], np.int32)
+  gathered = []
+  for output in outputs:
+    every = jnp.moveaxis(lax.all_gather(output, names), 0, k)
+    every = every.reshape(every.shape[:k] + (empty,) + every.shape[k + 2:])
+    pad = [(0, 1 if d == k else 0) for d in range(every.ndim)]
+    every = jnp.pad(every, pad, constant_values=np.array(fill, every.dtype))
+    gathered.append(jnp.take(every, table, axis=k))
+  return combine(gathered, k + 1)
 
 
 def _mesh_spec(sharding: jax.sharding.Sharding, mesh) -> PartitionSpec | None:
@@ -364,12 +482,88 @@ def _block_spec(shape: tuple[int, ...], tile: tuple[int, ...], *, per_byte: int 
   return pl.BlockSpec(block, lambda *grid: tuple(g if f else 0 for g, f in zip(grid, full)))
 
 
+def _split_dim(array: jax.Array, k: int, inner: int) -> jax.Array:
+  """Dim ``k`` of ``array`` (a multiple of ``inner`` long) as ``(n // inner, inner)``."""
+  n = array.shape[k]
+  return array.reshape(array.shape[:k] + (n // inner, inner) + array.shape[k + 1:])
+
+
+def _unsplit(n) -> bool:
+  """A dim of at most one element has no blocks to view (a symbolic one may have)."""
+  return not _tiling.symbolic(n) and n <= 1
+
+
+def _pad_dim(array: jax.Array, k: int, extra: int, value: float) -> jax.Array:
+  """``array`` with ``extra`` elements of ``value`` after the end of dim ``k``."""
+  if not _tiling.symbolic(extra) and extra == 0:
+    return array
+  return jnp.pad(array, [(0, extra if d == k else 0) for d in range(array.ndim)],
+                 constant_values=value)
+
+
+def _block_view(
+    arrays: Sequence[jax.Array],
+    logical: Sequence[tuple[int, ...]],
+    part: _Part,
+    per_byte: Sequence[int],
+) -> tuple[list[jax.Array], Callable[[jax.Array], jax.Array]]:
+  """Operands where every dim of every operand is the output's or 1, and the way back.
+
+  Each blocked dim ``k`` of ``part.shape``, ``n`` long, becomes ``(n / g, g)``:
+  a blocked operand (``ceil(N / block)`` long there, ``N`` the whole dim) is then ``(n / g, 1)``, one
+  value per piece of ``g`` elements, which the kernel's index maps broadcast
+  without expanding it. A whole dim (``origins[k]`` None) is padded to whole
+  blocks and ``g`` is the block, so the blocked operand is as it came. A
+  shard of a dim starting at ``part.origins[k][0]`` takes ``g = gcd(block, n)``:
+  its pieces never straddle a block edge, so each reads its block's value,
+  gathered from the whole (replicated) parameter: its slice where the shard
+  holds whole blocks, each value repeated ``block / g`` times where it does
+  not, which is x's size only when ``g`` is 1.
+
+  Returns:
+    The operands in the view, and a function taking a result on the view
+    back to ``part.shape``.
+  """
+  arrays, logical = list(arrays), [list(s) for s in logical]
+  padded = list(part.shape)
+  for k in reversed(range(len(part.shape))):
+    n, block = part.shape[k], part.blocks[k]
+    if block == 1 or _unsplit(n):
+      continue
+    if part.origins[k] is None:
+      piece, index = block, None
+      padded[k] = -(-n // block) * block
+    else:
+      start, _ = part.origins[k]
+      piece = math.gcd(block, n)
+      index = (start + jnp.arange(n // piece, dtype=jnp.int32) * piece) // block
+    for i, (array, shape) in enumerate(zip(arrays, logical)):
+      if shape[k] == n:
+        bytes_here = per_byte[i] if k == len(shape) - 1 else 1
+        array = _pad_dim(array, k, (padded[k] - n) // bytes_here, 0)
+        arrays[i] = _split_dim(array, k, piece // bytes_here)
+        shape[k:k + 1] = [padded[k] // piece, piece]
+      else:
+        if shape[k] != 1 and index is not None:
+          array = jnp.take(array, index, axis=k)
+          shape[k] = n // piece
+        arrays[i] = jnp.expand_dims(array, k + 1)
+        shape.insert(k + 1, 1)
+
+  def restore(result: jax.Array) -> jax.Array:
+    result = result.reshape(padded)
+    return result[tuple(slice(0, n) for n in part.shape)]
+
+  return arrays, restore
+
+
 def elementwise(
     formula: Callable[..., Sequence[jax.Array]],
     operands: Sequence[jax.Array | None],
     result_dtypes: Sequence[np.dtype],
     *,
     per_byte: Sequence[int] | None = None,
+    blocks: Sequence[int] | None = None,
     decode: Callable[[jax.Array], jax.Array] | None = None,
     backend: Backend | None = None,
     interpret: bool = False,
@@ -381,13 +575,21 @@ def elementwise(
   Args:
     formula: maps the operands' blocks (``None`` stays ``None``) to a sequence
       of arrays of ``result_dtypes``; element-wise, broadcasting size-1 dims.
-    operands: arrays of one rank; each dim is the output's size or 1. A packed
+    operands: arrays of one rank; each dim is the output's size, 1, or (a
+      blocked operand) the output's size ``n`` in blocks, ``ceil(n / blocks[k])``,
+      one value for each block of ``blocks[k]`` elements, the last block
+      possibly short (a blocked dim's ``n`` is the first operand's). A packed
       operand holds ``n`` values of ``8 // n`` bits per byte along its last dim
       (ONNX order: element ``n * i + k`` in bits ``k * 8 // n`` upwards), so its
       last dim is the output's divided by ``n``.
     result_dtypes: the dtypes ``formula`` returns.
     per_byte: each operand's ``n``: 1 where it is not packed (the default), 2
       for 4-bit and 4 for 2-bit values.
+    blocks: per dim of the output, the elements one value of a blocked operand
+      covers there (default 1: no operand is blocked). The operands are viewed
+      so that each block is a broadcast (:func:`_block_view`): x is not
+      reshaped before the call, so under ``jax.jit`` a shard edge may cut a
+      block and each device still computes its own shard alone.
     decode: maps a block of codes (uint8 values ``0 .. 2**(8 // n) - 1``) to
       the values the formula expects; required with a packed operand.
     backend: ``"tpu"`` or ``"triton"``; ``None`` picks per platform when lowered.
@@ -408,13 +610,17 @@ def elementwise(
             for a, n in zip(arrays, present_per_byte)]
 
   logical = logical_shapes(arrays)
-  out_shape = tuple(jnp.broadcast_shapes(*logical)) if logical else ()
+  rank = len(logical[0]) if logical else 0
+  blocks = tuple(blocks or (1,) * rank)
+  out_shape = tuple(
+      logical[0][k] if blocks[k] > 1 else jnp.broadcast_shapes(*[(s[k],) for s in logical])[0]
+      for k in range(rank))
   if math.prod(out_shape) == 0:
     return tuple(jnp.zeros(out_shape, d) for d in result_dtypes)
 
-  def run(*arrays, reduced):
+  def run(*arrays, part):
     """The kernel on these arrays, whole or (under :func:`_sharded`) one shard of each."""
-    del reduced  # element-wise: nothing is
+    arrays, restore = _block_view(arrays, logical_shapes(arrays), part, present_per_byte)
     logical = logical_shapes(arrays)
     out_shape = tuple(jnp.broadcast_shapes(*logical))
 
@@ -476,10 +682,11 @@ def elementwise(
         args[i] = decode(_codes(array, per_byte[i])) if per_byte[i] > 1 else array
       return tuple(jnp.broadcast_to(r, out_shape) for r in formula(*args))
 
-    return _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
+    results = _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
+    return tuple(restore(r) for r in results)
 
   return _sharded(run, arrays, logical, out_shape, result_count=len(result_dtypes),
-                  per_byte=present_per_byte)
+                  per_byte=present_per_byte, blocks=blocks)
 
 
 def reduce(
@@ -487,6 +694,7 @@ def reduce(
     x: jax.Array,
     keep: Sequence[bool],
     *,
+    blocks: Sequence[int] | None = None,
     pad_value: float,
     backend: Backend | None = None,
     interpret: bool = False,
@@ -505,13 +713,20 @@ def reduce(
       size-1 dims; it must be associative (min, max, sum) and ignore ``pad_value``.
     x: the array to reduce.
     keep: per dim of x, whether it is kept (a parameter dim) or reduced.
+    blocks: per kept dim of x, how many elements are reduced to one value
+      there (windows of that size, the last one possibly short); default 1.
+      x is not reshaped before the call, so under ``jax.jit`` a shard edge may
+      cut a block: each device reduces its part of the block, and the
+      partials of every block (parameter-sized) are gathered and combined.
     pad_value: what padding reads as (for min/max: NaN, when NaN is ignored).
     backend, interpret, max_block, name: as for :func:`elementwise`.
 
   Returns:
-    The reductions, each shaped like x with the reduced dims set to 1.
+    The reductions, each shaped like x with the reduced dims set to 1 and a
+    blocked dim of ``n`` counting blocks, ``ceil(n / blocks[k])``.
   """
-  result_shape = tuple(n if k else 1 for n, k in zip(x.shape, keep))
+  blocks = tuple(blocks or (1,) * x.ndim)
+  result_shape = tuple(-(-n // b) if k else 1 for n, k, b in zip(x.shape, keep, blocks))
   result_dtypes = [
       r.dtype for r in jax.eval_shape(lambda x: reduction(x, tuple(range(x.ndim))), x)
   ]
@@ -521,10 +736,12 @@ def reduce(
     return tuple(jnp.broadcast_to(r, result_shape)
                  for r in reduction(padding, tuple(range(x.ndim))))
 
-  def run(x, *, reduced):
+  def run(x, *, part):
     """The kernel on x, whole or (under :func:`_sharded`) one shard of it."""
-    keep = [not r for r in reduced]
+    x, keep, inner = _reduction_view(x, part, pad_value)
     result_shape = tuple(n if k else 1 for n, k in zip(x.shape, keep))
+    # The result without each block's own (reduced) dim.
+    blocked_shape = tuple(n for n, i in zip(result_shape, inner) if not i)
 
     def call(arrays, *, backend, interpret, divide_asm):
       del divide_asm
@@ -563,23 +780,58 @@ def reduce(
       # maxima). Then put each kept dim's (tile index, offset in tile) back together.
       order = [a for d in range(rank) for a in (d, rank + d)]
       return tuple(
-          layout.trim(reduction(part, axes)[k].transpose(order).reshape(
+          layout.trim(reduction(partial, axes)[k].transpose(order).reshape(
               tuple(p if keep else 1 for p, keep in zip(layout.padded, kept)))
           ).reshape(result_shape)
-          for k, part in enumerate(partials)
+          for k, partial in enumerate(partials)
       )
 
     def xla(arrays):
       (x,) = arrays
       return tuple(reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
 
-    return _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
+    results = _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
+    return tuple(r.reshape(blocked_shape) for r in results)
 
-  def combine(partials):
+  def combine(partials, axis):
     # The k-th result is the k-th reduction of the k-th partials (min of the
     # minima, max of the maxima), as across tiles.
-    return tuple(reduction(part, (0,))[k][0] for k, part in enumerate(partials))
+    return tuple(jnp.squeeze(reduction(partial, (axis,))[k], axis)
+                 for k, partial in enumerate(partials))
 
   return _sharded(run, [x], [x.shape], x.shape, result_count=len(result_dtypes), per_byte=[1],
-                  reduced=tuple(not k for k in keep), combine=combine)
+                  blocks=blocks, reduced=tuple(not k for k in keep), combine=combine,
+                  fill=pad_value)
+
+
+def _reduction_view(
+    x: jax.Array, part: _Part, pad_value: float
+) -> tuple[jax.Array, list[bool], list[bool]]:
+  """x with each blocked dim as ``(blocks, block)``, the block's dim reduced.
+
+  A whole dim is padded to whole blocks with ``pad_value``. A shard whose
+  edges cut blocks is written into ``cut.slots`` blocks of ``pad_value`` at
+  its offset in its first block, so its ``j``-th block holds its part of
+  block ``cut.first(s) + j`` (:func:`_combine_slots` puts them together).
+
+  Returns:
+    The view, per dim of it whether it is kept, and whether it is a block's own dim.
+  """
+  keep = [not r for r in part.reduced]
+  inner = [False] * x.ndim
+  for k in reversed(range(x.ndim)):
+    n, block = part.shape[k], part.blocks[k]
+    if block == 1 or _unsplit(n):
+      continue
+    if part.origins[k] is None:
+      x = _pad_dim(x, k, -(-n // block) * block - n, pad_value)
+    elif part.origins[k][1].slots is not None:
+      start, cut = part.origins[k]
+      buffer = jnp.full(x.shape[:k] + (cut.slots * block,) + x.shape[k + 1:], pad_value,
+                        x.dtype)
+      x = lax.dynamic_update_slice_in_dim(buffer, x, start % block, axis=k)
+    x = _split_dim(x, k, block)
+    keep.insert(k + 1, False)
+    inner.insert(k + 1, True)
+  return x, keep, inner
 

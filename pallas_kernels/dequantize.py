@@ -12,7 +12,7 @@ them first), and the formula decodes them with :func:`decode_codes`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jax import lax
@@ -114,6 +114,7 @@ def dequantize(
     formula: Formula,
     output_dtype: np.dtype,
     packed_dtype: np.dtype | None = None,
+    blocks: Sequence[int] | None = None,
     backend: _blockwise.Backend | None = None,
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
@@ -139,7 +140,9 @@ def dequantize(
     x: quantized values; or, with ``packed_dtype``, uint8 bytes holding
       ``8 // bits`` values each along the last dim (which is the output's
       divided by ``8 // bits``).
-    scale: same rank as x (as unpacked); each dim x's size or 1.
+    scale: same rank as x (as unpacked); each dim x's size ``n``, 1, or
+      ``ceil(n / blocks[k])`` (one scale per block of ``blocks[k]`` elements,
+      the last possibly short; a block of packed x holds whole bytes).
     zero_point: like ``scale``, or ``None`` (passed to ``formula`` as ``None``).
     formula: the element-wise dequantization ``formula(x, scale, zero_point)``,
       written in ``jnp``; it sees blocks of the operands, broadcast NumPy-style.
@@ -147,6 +150,7 @@ def dequantize(
     packed_dtype: int2, uint2, int4, uint4 or float4_e2m1fn when ``x`` is
       packed (static); ``formula`` then sees x's values decoded to int32
       (int2, uint2, int4, uint4) or float32 (float4_e2m1fn).
+    blocks: per dim of x, the elements one parameter value covers (default 1).
     backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
       when the call is lowered (interpret mode on CPU).
     interpret: run in Pallas interpret mode on every platform.
@@ -180,6 +184,7 @@ def dequantize(
       [x, scale, zero_point],
       [output_dtype],
       per_byte=(per_byte, 1, 1),
+      blocks=blocks,
       decode=(lambda codes: decode_codes(codes, np.dtype(packed_dtype))) if packed else None,
       backend=backend, interpret=interpret, max_block=max_block, name="dequantize",
   )

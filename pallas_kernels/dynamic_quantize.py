@@ -27,6 +27,7 @@ def dynamic_quantize(
     parameters: Callable[..., tuple[jax.Array, jax.Array]],
     formula: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     output_dtype: np.dtype,
+    blocks: Sequence[int] | None = None,
     backend: _blockwise.Backend | None = None,
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
@@ -41,7 +42,8 @@ def dynamic_quantize(
         \mathrm{zero\_point}_{\pi(i)}\right)
 
   where :math:`R` holds the dims with ``keep`` False and :math:`\pi(i)_d` is
-  :math:`i_d` along kept dims and 0 along reduced ones. The first kernel
+  :math:`\lfloor i_d / \mathrm{blocks}_d \rfloor` along kept dims and 0 along
+  reduced ones (``reduction`` then runs over each block too). The first kernel
   reduces each tile to partial statistics, which ``reduction`` combines again
   in XLA (so it must be associative); ``parameters`` runs in XLA; the second
   pass is :func:`quantize`. x is read exactly twice, whatever the
@@ -51,8 +53,7 @@ def dynamic_quantize(
   ``implementation="pallas"``).
 
   Args:
-    x: the float input, in the caller's blocked view (ragged blocks padded
-      with NaN, which the reduction must ignore).
+    x: the float input.
     keep: per dim of x, whether parameters vary along it (else it is reduced).
     reduction: ``reduction(block, axes)``: associative statistics over ``axes``
       with kept size-1 dims, ignoring NaN (e.g. the NaN-ignoring min and max);
@@ -60,6 +61,8 @@ def dynamic_quantize(
     parameters: ``(scale, zero_point)`` from the statistics (run in XLA).
     formula: ``formula(x, scale, zero_point)``, the element-wise quantization.
     output_dtype: what ``formula`` returns.
+    blocks: per kept dim of x, the elements one parameter covers there (a
+      block, the last one possibly short, padded with NaN); default 1.
     backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
       when the call is lowered (interpret mode on CPU).
     interpret: run in Pallas interpret mode on every platform.
@@ -68,7 +71,7 @@ def dynamic_quantize(
   Returns:
     ``(y, scale, zero_point)``: ``y`` shaped like x in ``output_dtype``; the
     parameters as ``parameters`` returns them, shaped like x with the reduced
-    dims set to 1.
+    dims set to 1 and a blocked dim counting blocks.
 
   Raises:
     IndexError: from the layout code when ``keep`` is shorter than x's rank
@@ -96,13 +99,13 @@ def dynamic_quantize(
            [2.]], dtype=float32))
   """
   statistics = _blockwise.reduce(
-      reduction, x, keep, pad_value=np.nan,
+      reduction, x, keep, blocks=blocks, pad_value=np.nan,
       backend=backend, interpret=interpret, max_block=max_block,
       name="dynamic_quantize_statistics",
   )
   scale, zero_point = parameters(*statistics)
   y = quantize.quantize(
-      x, scale, zero_point, formula=formula, output_dtype=output_dtype,
+      x, scale, zero_point, formula=formula, output_dtype=output_dtype, blocks=blocks,
       backend=backend, interpret=interpret, max_block=max_block,
   )
   return y, scale, zero_point

@@ -8,7 +8,7 @@ kernel agrees with XLA bit for bit. It is also the second pass of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ def quantize(
     *,
     formula: Formula,
     output_dtype: np.dtype,
+    blocks: Sequence[int] | None = None,
     backend: _blockwise.Backend | None = None,
     interpret: bool = False,
     max_block: tuple[int, int] | None = None,
@@ -46,12 +47,14 @@ def quantize(
 
   Args:
     x: the float input.
-    scale: same rank as x; each dim x's size or 1.
+    scale: same rank as x; each dim x's size ``n``, 1, or ``ceil(n / blocks[k])``
+      (one scale per block of ``blocks[k]`` elements, the last possibly short).
     zero_point: like ``scale``, or ``None`` (passed to ``formula`` as ``None``).
     formula: the element-wise quantization ``formula(x, scale, zero_point)``,
       written in ``jnp`` and returning ``output_dtype``; it sees blocks of the
       operands, broadcast NumPy-style.
     output_dtype: the quantized dtype.
+    blocks: per dim of x, the elements one parameter value covers (default 1).
     backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
       when the call is lowered (interpret mode on CPU).
     interpret: run in Pallas interpret mode on every platform.
@@ -80,7 +83,7 @@ def quantize(
   """
   (y,) = _blockwise.elementwise(
       lambda *args: (formula(*args),), [x, scale, zero_point], [output_dtype],
-      backend=backend, interpret=interpret, max_block=max_block, name="quantize",
+      blocks=blocks, backend=backend, interpret=interpret, max_block=max_block, name="quantize",
   )
   return y
 
