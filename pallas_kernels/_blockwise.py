@@ -547,7 +547,7 @@ def _block_view(
         if shape[k] != 1 and index is not None:
           array = jnp.take(array, index, axis=k)
           shape[k] = n // piece
-        arrays[i] = jnp.expand_dims(array, k + 1)
+        arrays[i] = array.reshape(array.shape[:k + 1] + (1,) + array.shape[k + 1:])
         shape.insert(k + 1, 1)
 
   def restore(result: jax.Array) -> jax.Array:
