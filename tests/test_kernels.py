@@ -445,6 +445,74 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
 
 
 @pytest.mark.parametrize("backend", ["tpu", "triton"])
+@pytest.mark.parametrize("columns", [192, 200])  # whole blocks of 16; a short last block
+def test_kernels_read_blocked_parameters(backend, columns):
+  rng = np.random.default_rng(8)
+  x = _float_values(rng, (8, columns), jnp.float32, 0.01)
+  x = jnp.where(jnp.isinf(x), 0, x)
+  count = -(-columns // 16)
+  scale = _scale(rng, (8, count))
+  info = _dtypes.quantized_dtype("test", "dtype", jnp.int8)
+  formula = functools.partial(_linear.quantize_formula, info=info,
+                              precision=np.dtype(np.float32), saturate=True)
+  assert_bits_equal(
+      pallas_kernels.quantize(x, scale, None, formula=formula, output_dtype=info.dtype,
+                              blocks=(1, 16), backend=backend, interpret=True),
+      pallas_kernels.quantize_reference(x, jnp.repeat(scale, 16, axis=1)[:, :columns], None,
+                                        formula=formula, output_dtype=info.dtype))
+  options = {
+      "reduction": functools.partial(_dynamic._min_max, keepdims=True),
+      "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
+      "formula": formula, "output_dtype": info.dtype,
+  }
+  actual = pallas_kernels.dynamic_quantize(
+      x, (True, True), blocks=(1, 16), backend=backend, interpret=True, **options)
+  view = jnp.pad(x, ((0, 0), (0, count * 16 - columns)), constant_values=np.nan)
+  expected = pallas_kernels.dynamic_quantize_reference(
+      view.reshape(8, count, 16), (True, True, False), **options)
+  assert_bits_equal(actual[0], expected[0].reshape(8, -1)[:, :columns])
+  for a, e in zip(actual[1:], expected[1:]):
+    assert_bits_equal(a, e.reshape(8, count))
+
+
+@pytest.mark.parametrize("columns, shards, block", [(192, 8, 16), (200, 8, 16), (120, 8, 7)])
+def test_a_shard_cutting_blocks_finds_its_blocks(columns, shards, block):
+  """What each device runs under jit where shard edges cut blocks, on one device.
+
+  The shard's view reads the whole parameter from the shard's offset; the
+  per-block maxima of every shard's slots, gathered over a named axis (vmap),
+  equal the maxima of whole blocks.
+  """
+  length, count = columns // shards, -(-columns // block)
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((4, columns)), jnp.float32)
+  scale = jnp.arange(1, 4 * count + 1, dtype=jnp.float32).reshape(4, count)
+  cut = pallas_kernels._blockwise._Cut(shards, length, block)
+
+  def part(start):
+    return pallas_kernels._blockwise._Part(
+        (4, length), (1, block), (False, False), (None, (start, cut)))
+
+  want = x * jnp.repeat(scale, block, axis=1)[:, :columns]
+  for s in range(shards):
+    local = x[:, s * length:(s + 1) * length]
+    (x_view, scale_view), restore = pallas_kernels._blockwise._block_view(
+        [local, scale], [local.shape, scale.shape], part(jnp.int32(s * length)), [1, 1])
+    assert_bits_equal(restore(x_view * scale_view), want[:, s * length:(s + 1) * length])
+
+  def shard(local, start):
+    view, _, _ = pallas_kernels._blockwise._reduction_view(local, part(start), np.nan)
+    return pallas_kernels._blockwise._combine_slots(
+        [jnp.nanmax(view, axis=-1)], 1, cut, ("shards",), columns,
+        lambda partials, axis: tuple(jnp.nanmax(p, axis) for p in partials), np.nan)[0]
+
+  maxima = jax.vmap(shard, axis_name="shards")(
+      x.reshape(4, shards, length).transpose(1, 0, 2), jnp.arange(shards) * length)
+  padded = jnp.pad(x, ((0, 0), (0, count * block - columns)), constant_values=np.nan)
+  for got in maxima:
+    assert_bits_equal(got, jnp.nanmax(padded.reshape(4, count, block), axis=-1))
+
+
+@pytest.mark.parametrize("backend", ["tpu", "triton"])
 @pytest.mark.parametrize("size", [1152, 300, 4096 + 128])
 def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   # A 1-D output is folded into rows of a width dividing it (1152 -> 3 x 384);
