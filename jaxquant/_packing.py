@@ -277,7 +277,17 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
   return pack_codes(codes, info.bits)
 
 
-@_bind.op(shape=_bind.shape, dtype=_bind.dtype)
+def _sub_byte_option(bits: int | None = None) -> _bind.Normalizer:
+  """A dtype option checked by :func:`sub_byte_dtype` once per spelling (``_bind`` remembers it)."""
+
+  def normalize(function: str, argument: str, value: DTypeLike) -> np.dtype:
+    dtype = _bind.dtype(function, argument, value)
+    return sub_byte_dtype(function, argument, dtype, bits=bits).dtype
+
+  return normalize
+
+
+@_bind.op(shape=_bind.shape, dtype=_sub_byte_option())
 def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
   r"""Unpacks bytes written by :func:`pack` (or by ONNX) into a sub-byte array.
 
@@ -315,11 +325,7 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
     >>> jq.unpack(jnp.array([200, 79, 0], jnp.uint8), (3,), jnp.float6_e2m3fn)
     Array([ 8, 63,  4], dtype=uint8)
   """
-  function = "unpack"
-  return _unpack(
-      packed, shape,
-      sub_byte_dtype(function, "dtype", dtype).dtype, function,
-  )
+  return _unpack(packed, shape, dtype, "unpack")
 
 
 def pack_int4(x: ArrayLike) -> jax.Array:
@@ -351,7 +357,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
   return _pack(x, dtype=None, function="pack_int4", bits=4)
 
 
-@_bind.op(shape=_bind.shape, dtype=_bind.dtype)
+@_bind.op(shape=_bind.shape, dtype=_sub_byte_option(bits=4))
 def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
   r"""Unpacks two 4-bit values per byte: :func:`unpack` for 4-bit dtypes only.
 
@@ -381,11 +387,7 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     >>> jq.unpack_int4(jnp.array([241, 7], jnp.uint8), (3,), jnp.int4)
     Array([1, -1, 7], dtype=int4)
   """
-  function = "unpack_int4"
-  return _unpack(
-      packed, shape,
-      sub_byte_dtype(function, "dtype", dtype, bits=4).dtype, function,
-  )
+  return _unpack(packed, shape, dtype, "unpack_int4")
 
 
 def packed_bytes(
