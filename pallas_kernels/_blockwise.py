@@ -1,15 +1,18 @@
 """The one kernel shape every op here shares: a formula over broadcast operands, tile by tile.
 
 An op hands :func:`elementwise` (or :func:`reduce`) arrays of one rank whose
-dims are each either the full broadcast size or 1. Broadcasting is done by
-the index maps: a size-1 dim gets block 1 and block index 0, so a per-channel
-scale is read once per tile and never expanded in HBM. The wrapper
+dims are each either the full broadcast size or 1, or, for a blocked
+parameter, the number of blocks. Broadcasting is done by the index maps: a
+size-1 dim gets block 1 and block index 0, so a per-channel scale is read once
+per tile and never expanded in HBM. The wrapper
 
-1. collapses the dims (drops size-1 output dims, merges neighbours that every
+1. views each blocked dim as ``(pieces, piece)`` with the parameter ``(pieces,
+   1)`` (:func:`_block_view`), on the shard each device holds;
+2. collapses the dims (drops size-1 output dims, merges neighbours that every
    operand treats alike), so any rank becomes two or three dims;
-2. picks the tile per backend (:mod:`._tiling`) and pads every dim to whole
+3. picks the tile per backend (:mod:`._tiling`) and pads every dim to whole
    tiles, slicing the result after;
-3. runs one ``pallas_call`` whose body is the formula on the loaded blocks.
+4. runs one ``pallas_call`` whose body is the formula on the loaded blocks.
 
 The backend is picked per platform when the call is lowered
 (:func:`._platforms.per_platform`): Mosaic on TPU, Triton on CUDA/ROCm,
