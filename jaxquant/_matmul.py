@@ -264,6 +264,8 @@ def _check_dimensions(function, lhs_shape, rhs_shape, dimension_numbers):
 
 def _check_dot_zero_points(function: str, arguments: dict) -> None:
   for name in ("lhs", "rhs"):
+    if arguments[f"{name}_zero_point"] is None:
+      continue  # nothing to check, and jnp.issubdtype is not free
     dtype = getattr(arguments[name], "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
       dtype = _INT8  # a float operand is quantized to int8 unless its zero point says otherwise
