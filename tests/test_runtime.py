@@ -18,7 +18,8 @@ FLAG = "--xla_cpu_prefer_vector_width=512"
 # Page faults per call of a dequantize whose float32 result (64 MiB) is far
 # above glibc's default mmap ceiling (32 MiB): a fresh mapping per call faults
 # in each of its 16,384 pages unless the allocator keeps the block. A tuned
-# heap grows for the first few calls (measured: 7) and then stops faulting.
+# heap grows for the first few calls (measured: 7) and then stops faulting; under
+# load a later call may still grow it once (measured in CI: one call in eight).
 FAULTS = """
 import resource
 import jax, jax.numpy as jnp, numpy as np
@@ -26,10 +27,12 @@ x = jnp.asarray(np.zeros(1 << 24, np.int8))
 f = jax.jit(lambda x: jq.dequantize_linear(x, jnp.float32(0.5)))
 for _ in range(16):
   f(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(8):
+per_call = []
+for _ in range(9):
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   f(x).block_until_ready()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8
+  per_call.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+faults = sorted(per_call)[4]  # the median call: one call may still grow the heap
 """
 
 
