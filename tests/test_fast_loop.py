@@ -35,7 +35,7 @@ def test_fast_loop_calls_every_public_function(request):
   config = request.config
   if (config.args_source is not pytest.Config.ArgsSource.TESTPATHS or config.option.keyword
       or config.option.markexpr not in ("", "not slow")):
-    pytest.skip('needs the whole suite collected: `pytest -m "not slow"` or `pytest`')
+    pytest.skip(reason='needs the whole suite collected: `pytest -m "not slow"` or `pytest`')
   fast = [item for item in request.session.items if not item.get_closest_marker("slow")]
   named = set().union(*map(_code_names, fast))
   missing = [name for name in PUBLIC_FUNCTIONS if name not in named]
