@@ -14,6 +14,10 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
+import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import hypothesis
@@ -481,3 +485,18 @@ def spec_dequantize(x, scale, zero_point, output_dtype):
     if zero_point is not None:
       difference = difference - zero_point.astype(np.float32)
   return (difference * scale.astype(np.float32)).astype(output_dtype)
+
+
+def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:
+  """Runs ``program`` in a fresh interpreter with ``count`` simulated CPU devices.
+
+  The device count is fixed when jax starts, so a multi-device test needs its own
+  process. Returns the program's stdout; fails the test with its stderr's tail.
+  """
+  environment = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}",
+                     JAX_PLATFORMS="cpu",
+                     PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+  result = subprocess.run([sys.executable, "-c", program], env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -14,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from quant_testing import run_on_cpu_devices
 
 KEY = jax.random.key(0)
 PARAMS = {
@@ -203,13 +200,7 @@ SHARDED = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_parameters_stay_sharded():
   """Two CPU devices in a fresh process (the device count is fixed at jax's start)."""
-  environment = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                     JAX_PLATFORMS="cpu",
-                     PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-  result = subprocess.run([sys.executable, "-c", SHARDED], env=environment,
-                          capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip() == "ok"
+  assert run_on_cpu_devices(SHARDED, 2, timeout=120).strip() == "ok"
 
 
 SHARDED_PACKED = textwrap.dedent("""
@@ -259,13 +250,7 @@ SHARDED_PACKED = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
   """Packed sub-byte weights sharded along either dim, 8 CPU devices in a fresh process."""
-  environment = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                     JAX_PLATFORMS="cpu",
-                     PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-  result = subprocess.run([sys.executable, "-c", SHARDED_PACKED], env=environment,
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip() == "ok"
+  assert run_on_cpu_devices(SHARDED_PACKED, 8).strip() == "ok"
 
 
 @pytest.mark.parametrize("rules, learnable, error, match", [
