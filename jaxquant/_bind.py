@@ -37,10 +37,10 @@ from jaxquant import _checked
 from jaxquant import _dispatch
 from jaxquant import _validate
 
-Normalizer = Callable[[str, str, Any], Any]
+Normalizer = Callable[[str, Any], Any]
 
 
-def dtype(function: str, argument: str, value: Any) -> Any:
+def dtype(argument: str, value: Any) -> Any:
   """A dtype option as a ``np.dtype`` (``jnp.dtype`` reads ``"int4"`` as int4).
 
   ``None`` stays ``None``, and so does any other hashable non-dtype: the op's
@@ -56,7 +56,7 @@ def dtype(function: str, argument: str, value: Any) -> Any:
   if canonical is not None and canonical.names is None:
     return canonical
   _validate.check(
-      _hashable(value), function, argument,
+      _hashable(value), argument,
       "a dtype", repr(value), error=TypeError,
   )
   return value
@@ -76,20 +76,20 @@ boolean = _validate.static_bool
 shape = _validate.static_shape
 
 
-def optional_integer(function: str, argument: str, value: Any) -> int | None:
-  return None if value is None else integer(function, argument, value)
+def optional_integer(argument: str, value: Any) -> int | None:
+  return None if value is None else integer(argument, value)
 
 
-def optional_shape(function: str, argument: str, value: Any) -> tuple[int, ...] | None:
-  return None if value is None else shape(function, argument, value)
+def optional_shape(argument: str, value: Any) -> tuple[int, ...] | None:
+  return None if value is None else shape(argument, value)
 
 
-def finite_float(function: str, argument: str, value: Any) -> float:
+def finite_float(argument: str, value: Any) -> float:
   _validate.check(
       isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool),
-      function, argument, "a Python float", repr(value), error=TypeError,
+      argument, "a Python float", repr(value), error=TypeError,
   )
-  _validate.check(math.isfinite(value), function, argument, "finite", repr(value))
+  _validate.check(math.isfinite(value), argument, "finite", repr(value))
   return float(value)
 
 
@@ -97,10 +97,10 @@ def choice(*options: Any) -> Normalizer:
   """A normalizer accepting exactly ``options`` (compared by equality, so lists fail)."""
   expected = ", ".join(map(repr, options[:-1])) + f" or {options[-1]!r}"
 
-  def normalize(function: str, argument: str, value: Any) -> Any:
+  def normalize(argument: str, value: Any) -> Any:
     _validate.check(
         any(type(value) is type(option) and value == option for option in options),
-        function, argument, expected, repr(value),
+        argument, expected, repr(value),
     )
     return value
 
@@ -159,12 +159,15 @@ def op(
   Args:
     jit: compile the decorated function with ``jax.jit``, its static
       arguments being the keys of ``normalizers``.
-    check: ``check(function, arguments)`` sees every argument by name, after
+    check: ``check(arguments)`` sees every argument by name, after
       normalisation and before the jit boundary (host values, such as Python
       int zero points, are still themselves there).
-    **normalizers: per static option, ``normalize(function, argument, value)``
-      returning the canonical value or raising a ``TypeError``/``ValueError``
-      that names the argument.
+    **normalizers: per static option, ``normalize(argument, value)``
+      returning the canonical value or raising ``_validate``'s error naming
+      the argument.
+
+  Every argument error leaving the op, from these steps or from the body's
+  own validation, is named after the op (``_validate.reports_as``).
 
   Returns:
     A decorator returning a plain function with the decorated one's
@@ -184,7 +187,7 @@ def op(
                   if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     # Defaults of static options are normalised once, here.
     defaults = {
-        p.name: (normalizers[p.name](name, p.name, p.default) if p.name in normalizers
+        p.name: (normalizers[p.name](p.name, p.default) if p.name in normalizers
                  else p.default)
         for p in signature.parameters.values() if p.default is not inspect.Parameter.empty
     }
@@ -227,7 +230,7 @@ def op(
         pass
       except TypeError:  # an unhashable option (a list shape): normalised every call
         key = None
-      result = {argument: normalize(name, argument, value)
+      result = {argument: normalize(argument, value)
                 for (argument, normalize), value in zip(steps, values)}
       if key is not None and len(normalised) < _CACHE_SIZE:
         normalised[key] = result
@@ -238,14 +241,18 @@ def op(
       if static and (kwargs or len(args) > first_static):
         arguments.update(normalise(options(arguments)))
       if check is not None:
-        check(name, arguments)
+        check(arguments)
       if _checked.enabled():
         _checked.check(name, arguments)
       return arguments
 
     @functools.wraps(function)
     def bound(*args, **kwargs):
-      return body(**arguments_of(args, kwargs))
+      try:
+        return body(**arguments_of(args, kwargs))
+      except _validate.ERRORS as error:
+        _validate.named(error, name)
+        raise
 
     # What a call passes on, and to what: benchmarks/run.py --overhead times
     # the op without its binding.

@@ -50,6 +50,7 @@ class Observer:
   momentum: float | None
 
 
+@_validate.reports_as("init_observer")
 def init_observer(*, momentum: float | None = None, bins: int = 1024) -> Observer:
   """An empty :class:`Observer`.
 
@@ -74,12 +75,11 @@ def init_observer(*, momentum: float | None = None, bins: int = 1024) -> Observe
     >>> state.low, state.high
     (Array(-1., dtype=float32), Array(4., dtype=float32))
   """
-  function = "init_observer"
-  bins = _validate.static_int(function, "bins", bins)
-  _validate.check(bins >= 2, function, "bins", "at least 2", bins)
+  bins = _validate.static_int("bins", bins)
+  _validate.check(bins >= 2, "bins", "at least 2", bins)
   if momentum is not None:
-    momentum = _bind.finite_float(function, "momentum", momentum)
-    _validate.check(0 <= momentum < 1, function, "momentum", "in [0, 1) or None", momentum)
+    momentum = _bind.finite_float("momentum", momentum)
+    _validate.check(0 <= momentum < 1, "momentum", "in [0, 1) or None", momentum)
   zero = jnp.zeros((), jnp.float32)
   return Observer(
       jnp.array(jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32),
@@ -122,7 +122,7 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
     >>> state.high  # 0.5 * 2 + 0.5 * 4
     Array(3., dtype=float32)
   """
-  x = _dtypes.float_input("observe", "x", jnp.asarray(x)).astype(jnp.float32)
+  x = _dtypes.float_input("x", jnp.asarray(x)).astype(jnp.float32)
   if x.size == 0:
     return state
   axes = tuple(range(x.ndim))
@@ -171,15 +171,14 @@ def _histogram_mse(state: Observer, qmax: float) -> jax.Array:
   return clips[jnp.argmin(jax.vmap(error)(clips))]
 
 
-def _check_observer_qparams(function: str, arguments: dict) -> None:
-  info = _dtypes.quantized_dtype(function, "dtype", arguments["dtype"])
+def _check_observer_qparams(arguments: dict) -> None:
+  info = _dtypes.quantized_dtype("dtype", arguments["dtype"])
   _validate.check(
-      info.is_integer or arguments["method"] not in ("minmax", "qmax_plus_half"), function,
-      "method", f"'absmax', 'percentile' or 'mse' for the float dtype {info.name}",
+      info.is_integer or arguments["method"] not in ("minmax", "qmax_plus_half"), "method", f"'absmax', 'percentile' or 'mse' for the float dtype {info.name}",
       repr(arguments["method"]),
   )
   _validate.check(
-      0 < arguments["percentile"] <= 100, function, "percentile", "in (0, 100]",
+      0 < arguments["percentile"] <= 100, "percentile", "in (0, 100]",
       arguments["percentile"],
   )
 
@@ -233,7 +232,7 @@ def observer_qparams(
     >>> jq.observer_qparams(state, jnp.int8, method="absmax")[0]  # 3 / 127
     Array(0.02362205, dtype=float32)
   """
-  info = _dtypes.quantized_dtype("observer_qparams", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   low = jnp.where(state.count > 0, state.low, 0)
   high = jnp.where(state.count > 0, state.high, 0)
   if method == "minmax":
@@ -265,6 +264,7 @@ def _recording(path, original, current):
   return op
 
 
+@_validate.reports_as("calibrate")
 def calibrate(
     model: Callable[[Any], Any],
     batches: Iterable[Any],

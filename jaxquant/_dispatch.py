@@ -23,28 +23,28 @@ IMPLEMENTATIONS = (None, "xla", "pallas")
 PALLAS_FASTER: dict[str, frozenset[str]] = {}
 
 
-def kernel_platforms(function: str, implementation: str | None) -> frozenset[str] | None:
-  """Where ``function`` runs its kernel: ``None`` on every platform, else these.
+def kernel_platforms(op: str, implementation: str | None) -> frozenset[str] | None:
+  """Where ``op`` runs its kernel: ``None`` on every platform, else these.
 
   ``"pallas"`` runs the kernel everywhere; ``None``, on the platforms where
-  :data:`PALLAS_FASTER` lists ``function`` (possibly none); ``"xla"``, nowhere.
+  :data:`PALLAS_FASTER` lists ``op`` (possibly none); ``"xla"``, nowhere.
   """
   if implementation == "pallas":
     return None
   if implementation == "xla":
     return frozenset()
-  return frozenset(p for p, faster in PALLAS_FASTER.items() if function in faster)
+  return frozenset(p for p, faster in PALLAS_FASTER.items() if op in faster)
 
 
-def select(function: str, implementation: str | None) -> str:
-  """Whether ``function``'s program holds its kernel: ``"pallas"``, else ``"xla"``.
+def select(op: str, implementation: str | None) -> str:
+  """Whether ``op``'s program holds its kernel: ``"pallas"``, else ``"xla"``.
 
   ``"pallas"`` where the kernel runs on some platform (:func:`kernel_platforms`);
   :func:`with_xla_derivatives` then picks it, or XLA, per platform when the
   program is lowered. ``implementation`` was checked when the op's call was
   bound (``_bind.IMPLEMENTATION``).
   """
-  return "pallas" if kernel_platforms(function, implementation) != frozenset() else "xla"
+  return "pallas" if kernel_platforms(op, implementation) != frozenset() else "xla"
 
 
 def with_xla_derivatives(

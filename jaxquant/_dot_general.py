@@ -29,7 +29,7 @@ from jaxquant import _params
 from jaxquant import _recipes
 from jaxquant import _validate
 
-_INT8 = _dtypes.quantized_dtype("dot_general", "dtype", jnp.int8)
+_INT8 = _dtypes.quantized_dtype("dtype", jnp.int8)
 
 
 def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
@@ -39,24 +39,24 @@ def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Ar
   return scale
 
 
-def _signed_integer(function: str, argument: str, dtype: Any):
-  info = _dtypes.quantized_dtype(function, argument, dtype, integer=True)
+def _signed_integer(argument: str, dtype: Any):
+  info = _dtypes.quantized_dtype(argument, dtype, integer=True)
   _validate.check(
-      info.min < 0 and info.bits <= 8, function, argument,
+      info.min < 0 and info.bits <= 8, argument,
       "a signed integer dtype of at most 8 bits (int8, int4, int2: symmetric, no zero point)",
       info.name, error=TypeError,
   )
   return info
 
 
-def _quantize_symmetric(function: str, x: ArrayLike, reduced: Sequence[int], info=_INT8):
+def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
   """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``."""
-  x = _dtypes.float_input(function, "lhs or rhs", jnp.asarray(x))
+  x = _dtypes.float_input("lhs or rhs", jnp.asarray(x))
   scale = _symmetric_scale(x, reduced, info)
   return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
 
-def _rhs_quantized(function: str, rhs: Any, reduced: Sequence[int], info=_INT8):
+def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8):
   """rhs as symmetric ``info.dtype`` with a scale of its rank, 1 along the ``reduced`` dims.
 
   A float rhs is quantized here, one scale per index of the other dims; a
@@ -64,11 +64,11 @@ def _rhs_quantized(function: str, rhs: Any, reduced: Sequence[int], info=_INT8):
   or along a dim that is not reduced; packed values unpacked) is used as it is.
   """
   if not isinstance(rhs, _params.QuantizedArray):
-    return _quantize_symmetric(function, rhs, reduced, info)
+    return _quantize_symmetric(rhs, reduced, info)
   _validate.check(
       rhs.dtype == info.dtype and rhs.zero_point is None
       and rhs.block_size == 0 and (rhs.scale.size == 1 or rhs.axis not in reduced),
-      function, "rhs", f"a float array, or a QuantizedArray of {info.name} without zero point "
+      "rhs", f"a float array, or a QuantizedArray of {info.name} without zero point "
       "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
       error=TypeError,
   )
@@ -107,11 +107,11 @@ def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.
   return values.astype(jnp.int16) - jnp.asarray(zero_point).astype(jnp.int16)
 
 
-def _static_lhs(function, lhs, input_scale, input_zero_point):
-  lhs = _dtypes.float_input(function, "lhs", jnp.asarray(lhs))
-  input_scale = _dtypes.scale_array(function, "input_scale", input_scale)
+def _static_lhs(lhs, input_scale, input_zero_point):
+  lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
+  input_scale = _dtypes.scale_array("input_scale", input_scale)
   _validate.check(
-      input_scale.size == 1, function, "input_scale.shape", "one element (per tensor)",
+      input_scale.size == 1, "input_scale.shape", "one element (per tensor)",
       input_scale.shape,
   )
   if input_zero_point is not None:
@@ -119,8 +119,7 @@ def _static_lhs(function, lhs, input_scale, input_zero_point):
     if input_zero_point.weak_type:
       input_zero_point = input_zero_point.astype(jnp.int8)
     _validate.check(
-        input_zero_point.dtype in (np.dtype(np.int8), np.dtype(np.uint8)), function,
-        "input_zero_point.dtype", "int8 or uint8", input_zero_point.dtype.name,
+        input_zero_point.dtype in (np.dtype(np.int8), np.dtype(np.uint8)), "input_zero_point.dtype", "int8 or uint8", input_zero_point.dtype.name,
         error=TypeError,
     )
   values = _linear.quantize_linear(
@@ -138,6 +137,7 @@ def _matching(values, other):
   return values, other.astype(values.dtype)
 
 
+@_validate.reports_as("dot_general_dynamic_int8")
 def dot_general_dynamic_int8(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -199,12 +199,11 @@ def dot_general_dynamic_int8(
     >>> jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ())), lhs_dtype=jnp.int4)
     Array([[-0.6434196]], dtype=float32)
   """
-  function = "dot_general_dynamic_int8"
   (lhs_contracting, rhs_contracting), _ = dimension_numbers
   lhs_values, lhs_scale = _quantize_symmetric(
-      function, lhs, lhs_contracting, _signed_integer(function, "lhs_dtype", lhs_dtype))
+      lhs, lhs_contracting, _signed_integer("lhs_dtype", lhs_dtype))
   rhs_values, rhs_scale = _rhs_quantized(
-      function, rhs, rhs_contracting, _signed_integer(function, "rhs_dtype", rhs_dtype))
+      rhs, rhs_contracting, _signed_integer("rhs_dtype", rhs_dtype))
   return _integer_dot(
       lhs_values, rhs_values, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
@@ -212,6 +211,7 @@ def dot_general_dynamic_int8(
   )
 
 
+@_validate.reports_as("dot_general_static_int8")
 def dot_general_static_int8(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -263,10 +263,9 @@ def dot_general_static_int8(
     >>> jq.dot_general_static_int8(x, w, (((1,), (0,)), ((), ())), input_scale=0.5)
     Array([[-0.5]], dtype=float32)
   """
-  function = "dot_general_static_int8"
   (_, rhs_contracting), _ = dimension_numbers
-  lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _rhs_quantized(function, rhs, rhs_contracting)
+  lhs_values, scale, zero_point = _static_lhs(lhs, input_scale, input_zero_point)
+  rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting)
   return _integer_dot(
       lhs_values, rhs_values, dimension_numbers,
       _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
@@ -280,14 +279,14 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
-def _weight_only(function, rhs, contracting, *, dtype, block_size, method):
+def _weight_only(rhs, contracting, *, dtype, block_size, method):
   """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
   if isinstance(rhs, _params.QuantizedArray):
     return rhs.dequantize()
-  rhs = _dtypes.float_input(function, "rhs", jnp.asarray(rhs))
+  rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
   contracting = [d % rhs.ndim for d in contracting]
   _validate.check(
-      block_size == 0 or len(contracting) == 1, function, "block_size",
+      block_size == 0 or len(contracting) == 1, "block_size",
       "0 when rhs has several contracting dims", block_size,
   )
   free = [d for d in range(rhs.ndim) if d not in contracting]
@@ -310,6 +309,7 @@ def _fake_quantized_weight(weight, axis, *, dtype, block_size, method):
       weight, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
 
 
+@_validate.reports_as("dot_general_weight_only")
 def dot_general_weight_only(
     lhs: ArrayLike,
     rhs: Any,
@@ -370,14 +370,14 @@ def dot_general_weight_only(
            [ 0.59999996,  0.        ],
            [-0.59999996,  0.        ]], dtype=float32)
   """
-  function = "dot_general_weight_only"
   (_, rhs_contracting), _ = dimension_numbers
-  weight = _weight_only(function, rhs, rhs_contracting, dtype=dtype, block_size=block_size,
+  weight = _weight_only(rhs, rhs_contracting, dtype=dtype, block_size=block_size,
                         method=method)
   return lax.dot_general(lhs, weight, dimension_numbers, precision, preferred_element_type,
                          out_sharding=out_sharding)
 
 
+@_validate.reports_as("dot_general_fake_quant")
 def dot_general_fake_quant(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -419,7 +419,7 @@ def dot_general_fake_quant(
     Array([[ 1.007874 , -2.       ,  0.2992126]], dtype=float32)
   """
   (lhs_contracting, _), _ = dimension_numbers
-  lhs = _dtypes.float_input("dot_general_fake_quant", "lhs", jnp.asarray(lhs))
+  lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   return lax.dot_general(
       _fake_quantize_int8(lhs, lhs_contracting), rhs, dimension_numbers, precision,
       preferred_element_type, out_sharding=out_sharding,
@@ -444,7 +444,7 @@ def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
   return lhs_scale.reshape(lhs_shape) * rhs_scale.reshape(rhs_shape)
 
 
-def _integer_conv(function, lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
+def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
                   numbers, arguments, preferred_element_type):
   accumulator = lax.conv_general_dilated(
       lhs_values, rhs_values, dimension_numbers=numbers,
@@ -455,13 +455,14 @@ def _integer_conv(function, lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_sca
       _result_dtype(lhs, rhs, preferred_element_type))
 
 
-def _rhs_per_output_feature(function, rhs, numbers):
+def _rhs_per_output_feature(rhs, numbers):
   out_feature = numbers.rhs_spec[0]
   values, scale = _rhs_quantized(
-      function, rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
+      rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
   return values, scale.reshape(-1)
 
 
+@_validate.reports_as("conv_general_dilated_weight_only")
 def conv_general_dilated_weight_only(
     lhs: ArrayLike,
     rhs: Any,
@@ -532,12 +533,11 @@ def conv_general_dilated_weight_only(
     >>> jq.conv_general_dilated_weight_only(x, w, (1,), "VALID", dtype=jnp.int4)
     Array([[[ 0.3857143,  2.0571427, -1.0285714]]], dtype=float32)
   """
-  function = "conv_general_dilated_weight_only"
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   if isinstance(rhs, _params.QuantizedArray):
     weight = rhs.dequantize()
   else:
-    rhs = _dtypes.float_input(function, "rhs", jnp.asarray(rhs))
+    rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
     out_feature, in_feature = numbers.rhs_spec[:2]
     weight = _fake_quantized_weight(
         rhs, in_feature if block_size else out_feature, dtype=dtype, block_size=block_size,
@@ -549,6 +549,7 @@ def conv_general_dilated_weight_only(
   )
 
 
+@_validate.reports_as("conv_general_dilated_dynamic_int8")
 def conv_general_dilated_dynamic_int8(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -600,12 +601,11 @@ def conv_general_dilated_dynamic_int8(
     >>> jq.conv_general_dilated_dynamic_int8(x, w, (1,), "VALID")  # float: -1, 3, -1.5
     Array([[[-0.992126,  3.007874, -1.511811]]], dtype=float32)
   """
-  function = "conv_general_dilated_dynamic_int8"
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(jnp.ndim(lhs)) if d != batch or batch_group_count > 1]
-  lhs_values, lhs_scale = _quantize_symmetric(function, lhs, reduced)
-  rhs_values, rhs_scale = _rhs_per_output_feature(function, rhs, numbers)
+  lhs_values, lhs_scale = _quantize_symmetric(lhs, reduced)
+  rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
@@ -613,10 +613,11 @@ def conv_general_dilated_dynamic_int8(
   )
   if batch_group_count > 1:
     lhs_scale = lhs_scale.reshape(1)
-  return _integer_conv(function, lhs, rhs, lhs_values, lhs_scale.reshape(-1), rhs_values,
+  return _integer_conv(lhs, rhs, lhs_values, lhs_scale.reshape(-1), rhs_values,
                        rhs_scale, numbers, arguments, preferred_element_type)
 
 
+@_validate.reports_as("conv_general_dilated_static_int8")
 def conv_general_dilated_static_int8(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -674,20 +675,20 @@ def conv_general_dilated_static_int8(
     >>> jq.conv_general_dilated_static_int8(x, w, (1,), "VALID", input_scale=0.5)
     Array([[[-1. ,  3. , -1.5]]], dtype=float32)
   """
-  function = "conv_general_dilated_static_int8"
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
-  lhs_values, scale, zero_point = _static_lhs(function, lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _rhs_per_output_feature(function, rhs, numbers)
+  lhs_values, scale, zero_point = _static_lhs(lhs, input_scale, input_zero_point)
+  rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
   lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
       batch_group_count=batch_group_count, out_sharding=out_sharding,
   )
-  return _integer_conv(function, lhs, rhs, lhs_values, scale.reshape(1), rhs_values,
+  return _integer_conv(lhs, rhs, lhs_values, scale.reshape(1), rhs_values,
                        rhs_scale, numbers, arguments, preferred_element_type)
 
 
+@_validate.reports_as("conv_general_dilated_fake_quant")
 def conv_general_dilated_fake_quant(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -737,7 +738,7 @@ def conv_general_dilated_fake_quant(
     Array([[[ 1.007874 ,  2.       , -1.007874 ,  0.2992126]]], dtype=float32)
   """
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
-  lhs = _dtypes.float_input("conv_general_dilated_fake_quant", "lhs", jnp.asarray(lhs))
+  lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
   return lax.conv_general_dilated(
@@ -799,6 +800,7 @@ def layers(module: Any) -> dict[str, tuple[Any, str]]:
   return found
 
 
+@_validate.reports_as("replace_ops")
 def replace_ops(
     module: Any,
     *,

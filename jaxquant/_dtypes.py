@@ -118,7 +118,7 @@ def _name(dtype: Any) -> str:
 
 
 def quantized_dtype(
-    function: str, argument: str, dtype: Any, *, integer: bool = False
+    argument: str, dtype: Any, *, integer: bool = False
 ) -> QuantizedDType:
   """Looks ``dtype`` up in the table; a ``TypeError`` naming ``argument`` if absent.
 
@@ -127,11 +127,11 @@ def quantized_dtype(
   info = _QUANTIZED_DTYPES.get(_as_dtype(dtype))
   if info is None:
     _validate.fail(
-        function, argument, f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})",
+        argument, f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})",
         _name(dtype), error=TypeError,
     )
   _validate.check(
-      info.is_integer or not integer, function, argument, "an integer quantized dtype",
+      info.is_integer or not integer, argument, "an integer quantized dtype",
       info.name, error=TypeError,
   )
   return info
@@ -151,14 +151,13 @@ def host_codes(value: Any) -> tuple[Any, np.dtype | None]:
   return value, None
 
 
-def check_host_zero_point(function: str, argument: str, value: Any, dtype: Any) -> None:
+def check_host_zero_point(argument: str, value: Any, dtype: Any) -> None:
   """Checks a zero point given on the host, before the jit boundary rewrites it.
 
   There a NumPy int64 would silently become int32 (and pick an int32 output)
   and a Python int would wrap around into ``dtype`` (uint8 300 -> 44).
 
   Args:
-    function: the public function's name, for the message.
     argument: the argument's name, for the message.
     value: the zero point as the caller gave it.
     dtype: the quantized dtype a Python int zero point takes.
@@ -169,7 +168,7 @@ def check_host_zero_point(function: str, argument: str, value: Any, dtype: Any) 
   """
   if isinstance(value, (np.ndarray, np.generic)):
     _validate.check(
-        value.dtype in _QUANTIZED_DTYPES, function, f"{argument}.dtype",
+        value.dtype in _QUANTIZED_DTYPES, f"{argument}.dtype",
         f"one of the quantized dtypes ({QUANTIZED_DTYPE_NAMES})", value.dtype.name,
         error=TypeError,
     )
@@ -177,7 +176,7 @@ def check_host_zero_point(function: str, argument: str, value: Any, dtype: Any) 
     info = _QUANTIZED_DTYPES.get(_as_dtype(dtype))
     if info is not None and info.is_integer:
       _validate.check(
-          info.min <= value <= info.max, function, argument,
+          info.min <= value <= info.max, argument,
           f"in [{info.min}, {info.max}] for {info.name}", value,
       )
 
@@ -187,35 +186,35 @@ def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
   return decode_codes(x, info.dtype) if info.as_codes else x
 
 
-def float_input(function: str, argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
+def float_input(argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
   """Checks that the array ``x`` holds floats to quantize (float64 too, under x64).
 
   ``also`` names the other dtypes the caller accepts, for the message.
   """
   _validate.check(
-      x.dtype in INPUT_FLOAT_DTYPES, function, f"{argument}.dtype",
+      x.dtype in INPUT_FLOAT_DTYPES, f"{argument}.dtype",
       f"a float dtype (float32, float16 or bfloat16){' or ' + also if also else ''}",
       x.dtype.name, error=TypeError,
   )
   return x
 
 
-def scale_array(function: str, argument: str, scale: Any) -> jax.Array:
+def scale_array(argument: str, scale: Any) -> jax.Array:
   """``scale`` as an array; a Python float is float32 (not float64 under x64)."""
   scale = jnp.asarray(scale)
   if scale.weak_type and jnp.issubdtype(scale.dtype, jnp.floating):
     scale = scale.astype(jnp.float32)
   _validate.check(
-      scale.dtype in SCALE_DTYPES, function, f"{argument}.dtype",
+      scale.dtype in SCALE_DTYPES, f"{argument}.dtype",
       f"one of {_names(SCALE_DTYPES)}", scale.dtype.name, error=TypeError,
   )
   return scale
 
 
-def float_dtype(function: str, argument: str, dtype: Any) -> np.dtype:
+def float_dtype(argument: str, dtype: Any) -> np.dtype:
   """Checks that ``dtype`` is a float dtype an op may return or compute in."""
   _validate.check(
-      _as_dtype(dtype) in OUTPUT_FLOAT_DTYPES, function, argument,
+      _as_dtype(dtype) in OUTPUT_FLOAT_DTYPES, argument,
       f"one of {_names(OUTPUT_FLOAT_DTYPES)}", _name(dtype), error=TypeError,
   )
   return _as_dtype(dtype)
@@ -367,7 +366,7 @@ def round_and_saturate(
   Example:
     >>> import jax.numpy as jnp
     >>> from jaxquant import _dtypes
-    >>> info = _dtypes.quantized_dtype("example", "dtype", jnp.float6_e2m3fn)
+    >>> info = _dtypes.quantized_dtype("dtype", jnp.float6_e2m3fn)
     >>> _dtypes.round_and_saturate(jnp.array([1.0625, 1.1875, -0.0, 9.0, jnp.nan]),
     ...                            None, info)  # 1.0, 1.25, -0.0, 7.5, 7.5
     Array([ 8, 10, 32, 31, 31], dtype=uint8)

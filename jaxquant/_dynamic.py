@@ -174,7 +174,6 @@ class DynamicRange:
 
 
 def dynamic_range(
-    function: str,
     x_shape: tuple[int, ...],
     *,
     dtype: DTypeLike,
@@ -189,13 +188,13 @@ def dynamic_range(
     ValueError: for ``symmetric=True`` with an unsigned dtype, or ``axis`` /
       ``block_size`` out of range.
   """
-  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
+  info = _dtypes.quantized_dtype("dtype", dtype, integer=True)
   _validate.check(
-      not symmetric or info.min < 0, function, "dtype",
+      not symmetric or info.min < 0, "dtype",
       "a signed integer dtype when symmetric=True", info.name,
   )
   granularity = _granularity.for_reduction(
-      function, x_shape, axis=axis, block_size=block_size
+      x_shape, axis=axis, block_size=block_size
   )
   reduction, parameters = (
       (_max_magnitude, _symmetric_parameters) if symmetric
@@ -267,10 +266,9 @@ def dynamic_quantize_linear(
     >>> y, scale, zero_point
     (Array([153, 255,  26,   0], dtype=uint8), Array(0.01960784, dtype=float32), Array(153, dtype=uint8))
   """
-  function = "dynamic_quantize_linear"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  x = _dtypes.float_input("x", jnp.asarray(x))
   dynamic = dynamic_range(
-      function, x.shape, dtype=dtype, axis=axis, block_size=block_size,
+      x.shape, dtype=dtype, axis=axis, block_size=block_size,
       symmetric=symmetric,
   )
   info, granularity = dynamic.info, dynamic.granularity
@@ -295,7 +293,7 @@ def dynamic_quantize_linear(
     )
     return y, scale.reshape(shape), zero_point.reshape(shape)
 
-  if _dispatch.select(function, implementation) == "pallas" and x.size:
+  if _dispatch.select("dynamic_quantize_linear", implementation) == "pallas" and x.size:
     return _dispatch.with_xla_derivatives(
-        kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(x)
+        kernel, xla, platforms=_dispatch.kernel_platforms("dynamic_quantize_linear", implementation))(x)
   return xla(x)

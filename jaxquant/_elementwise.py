@@ -18,23 +18,23 @@ from jaxquant import _validate
 import pallas_kernels
 
 
-def _per_tensor(function: str, name: str, value: jax.Array) -> jax.Array:
+def _per_tensor(name: str, value: jax.Array) -> jax.Array:
   _validate.check(
-      value.size == 1, function, f"{name}.shape",
+      value.size == 1, f"{name}.shape",
       "() or one element (per-tensor)", value.shape,
   )
   return value.reshape(())
 
 
-def _operand(function, name, values, scale, zero_point):
+def _operand(name, values, scale, zero_point):
   """Validates one quantized operand; returns it with scalar scale and zero point."""
   values = jnp.asarray(values)
-  info = _dtypes.quantized_dtype(function, f"{name}.dtype", values.dtype, integer=True)
-  scale = _dtypes.scale_array(function, f"{name}_scale", scale)
-  zero_point = _linear.zero_point_array(function, f"{name}_zero_point", zero_point, info.dtype)
+  info = _dtypes.quantized_dtype(f"{name}.dtype", values.dtype, integer=True)
+  scale = _dtypes.scale_array(f"{name}_scale", scale)
+  zero_point = _linear.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
   if zero_point is not None:
-    zero_point = _per_tensor(function, f"{name}_zero_point", zero_point)
-  return values, info, _per_tensor(function, f"{name}_scale", scale), zero_point
+    zero_point = _per_tensor(f"{name}_zero_point", zero_point)
+  return values, info, _per_tensor(f"{name}_scale", scale), zero_point
 
 
 def _is_nan(x: jax.Array) -> jax.Array:
@@ -63,12 +63,12 @@ def _add_formula(
   )
 
 
-def _check_zero_points(function: str, arguments: dict) -> None:
+def _check_zero_points(arguments: dict) -> None:
   a_dtype = getattr(arguments["a"], "dtype", None)
   for name, dtype in [("a", a_dtype), ("b", getattr(arguments["b"], "dtype", None)),
                       ("out", arguments["output_dtype"] or a_dtype)]:
     _dtypes.check_host_zero_point(
-        function, f"{name}_zero_point", arguments[f"{name}_zero_point"], dtype
+        f"{name}_zero_point", arguments[f"{name}_zero_point"], dtype
     )
 
 
@@ -132,32 +132,31 @@ def quantized_add(
     >>> jq.quantized_add(a, 1.0, None, jnp.int8(0), 1.0, None, 2.0, jnp.int8(1))
     Array([1, 3, 3, 1], dtype=int8)
   """
-  function = "quantized_add"
-  a, a_info, a_scale, a_zero_point = _operand(function, "a", a, a_scale, a_zero_point)
-  b, b_info, b_scale, b_zero_point = _operand(function, "b", b, b_scale, b_zero_point)
+  a, a_info, a_scale, a_zero_point = _operand("a", a, a_scale, a_zero_point)
+  b, b_info, b_scale, b_zero_point = _operand("b", b, b_scale, b_zero_point)
   try:
     shape = jnp.broadcast_shapes(a.shape, b.shape)
   except ValueError:
-    _validate.fail(function, "b.shape", f"broadcastable with a.shape {a.shape}", b.shape)
+    _validate.fail("b.shape", f"broadcastable with a.shape {a.shape}", b.shape)
   out_info = _linear.quantized_output_dtype(
-      function, out_zero_point, output_dtype, argument="out_zero_point", default=a.dtype,
+      out_zero_point, output_dtype, argument="out_zero_point", default=a.dtype,
       integer=True,
   )
   out_scale = _per_tensor(
-      function, "out_scale", _dtypes.scale_array(function, "out_scale", out_scale)
+      "out_scale", _dtypes.scale_array("out_scale", out_scale)
   )
   out_zero_point = _linear.zero_point_array(
-      function, "out_zero_point", out_zero_point, out_info.dtype
+      "out_zero_point", out_zero_point, out_info.dtype
   )
   if out_zero_point is not None:
-    out_zero_point = _per_tensor(function, "out_zero_point", out_zero_point)
+    out_zero_point = _per_tensor("out_zero_point", out_zero_point)
   formula = functools.partial(_add_formula, a_info=a_info, b_info=b_info, out_info=out_info)
   parameters = [a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point]
 
   def xla(a, b, parameters):
     return jnp.broadcast_to(formula(a, b, *parameters), shape)
 
-  if _dispatch.select(function, implementation) != "pallas":
+  if _dispatch.select("quantized_add", implementation) != "pallas":
     return xla(a, b, parameters)
 
   def kernel(a, b, parameters):
@@ -166,5 +165,5 @@ def quantized_add(
     )
 
   return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      kernel, xla, platforms=_dispatch.kernel_platforms("quantized_add", implementation))(
       a, b, parameters)

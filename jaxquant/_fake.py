@@ -147,19 +147,19 @@ def _fake_quantize_jvp(quantizer, primals, tangents):
 
 
 def _fake_quantized_dtype(
-    function: str, dtype: DTypeLike, *, narrow_range: bool, integer: bool = False
+    dtype: DTypeLike, *, narrow_range: bool, integer: bool = False
 ) -> _dtypes.QuantizedDType:
   """The quantized dtype of a fake quantizer: at most 16 bits, narrowed if asked."""
-  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=integer)
+  info = _dtypes.quantized_dtype("dtype", dtype, integer=integer)
   _validate.check(
-      info.bits <= 16, function, "dtype",
+      info.bits <= 16, "dtype",
       "a quantized dtype of at most 16 bits (float32 cannot hold every 32-bit "
       "integer)", info.name, error=TypeError,
   )
   if not narrow_range:
     return info
   _validate.check(
-      info.is_integer, function, "narrow_range",
+      info.is_integer, "narrow_range",
       f"False for the float dtype {info.name} (its range is symmetric)", narrow_range,
   )
   return dataclasses.replace(info, min=info.min + 1)
@@ -172,9 +172,9 @@ def _apply(x, scale, zero_point, granularity, quantizer):
   )
 
 
-def _check_zero_point(function: str, arguments: dict) -> None:
+def _check_zero_point(arguments: dict) -> None:
   _dtypes.check_host_zero_point(
-      function, "zero_point", arguments["zero_point"], arguments["dtype"]
+      "zero_point", arguments["zero_point"], arguments["dtype"]
   )
 
 
@@ -273,15 +273,14 @@ def _fake_quantize_op(
     x, scale, zero_point, *, dtype, axis, block_size, narrow_range, gradient,
     zero_point_dtype,
 ):
-  function = "fake_quantize"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
-  scale = _dtypes.scale_array(function, "scale", scale)
-  info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range)
+  x = _dtypes.float_input("x", jnp.asarray(x))
+  scale = _dtypes.scale_array("scale", scale)
+  info = _fake_quantized_dtype(dtype, narrow_range=narrow_range)
   zero_point = _linear.zero_point_array(
-      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
   granularity = _granularity.resolve(
-      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
   quantizer = _Quantizer(info, _dtypes.division_precision(scale.dtype), gradient)
@@ -372,14 +371,13 @@ def fake_quantize_learnable(
     >>> jax.grad(loss)(jnp.float32(0.25))  # -8 + (0.5 - 0.375) / 0.25 + 7
     Array(-0.5, dtype=float32)
   """
-  function = "fake_quantize_learnable"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
-  info = _fake_quantized_dtype(function, dtype, narrow_range=narrow_range, integer=True)
-  scale = _learned_parameter(function, "scale", scale)
+  x = _dtypes.float_input("x", jnp.asarray(x))
+  info = _fake_quantized_dtype(dtype, narrow_range=narrow_range, integer=True)
+  scale = _learned_parameter("scale", scale)
   if zero_point is not None:
-    zero_point = _learned_parameter(function, "zero_point", zero_point)
+    zero_point = _learned_parameter("zero_point", zero_point)
   granularity = _granularity.resolve(
-      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
   quantizer = _Quantizer(
@@ -388,13 +386,13 @@ def fake_quantize_learnable(
   return _apply(x, scale, zero_point, granularity, quantizer)
 
 
-def _learned_parameter(function: str, argument: str, value: ArrayLike) -> jax.Array:
+def _learned_parameter(argument: str, value: ArrayLike) -> jax.Array:
   """A learned float parameter; a Python number is float32."""
   value = jnp.asarray(value)
   if value.weak_type:
     value = value.astype(jnp.float32)
   _validate.check(
-      value.dtype in _dtypes.OUTPUT_FLOAT_DTYPES, function, f"{argument}.dtype",
+      value.dtype in _dtypes.OUTPUT_FLOAT_DTYPES, f"{argument}.dtype",
       "a float dtype (float32, float16 or bfloat16; it is learned)", value.dtype.name,
       error=TypeError,
   )
@@ -453,18 +451,18 @@ def fake_quantize_dynamic(
     >>> jq.fake_quantize_dynamic(jnp.array([0.0, 2.0, -2.5, -3.0]), dtype=jnp.uint8)
     Array([ 0.       ,  2.       , -2.4901962, -3.       ], dtype=float32)
   """
-  function = "fake_quantize_dynamic"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
+  x = _dtypes.float_input("x", jnp.asarray(x))
   dynamic = _dynamic.dynamic_range(
-      function, x.shape, dtype=dtype, axis=axis, block_size=block_size,
+      x.shape, dtype=dtype, axis=axis, block_size=block_size,
       symmetric=symmetric,
   )
-  _fake_quantized_dtype(function, dtype, narrow_range=False)  # at most 16 bits
+  _fake_quantized_dtype(dtype, narrow_range=False)  # at most 16 bits
   scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
   quantizer = _Quantizer(dynamic.info, np.dtype(np.float32), gradient)  # the float32 scale's
   return _apply(x, scale, zero_point, dynamic.granularity, quantizer)
 
 
+@_validate.reports_as("lsq_grad_factor")
 def lsq_grad_factor(elements_per_scale: int, *, dtype: DTypeLike = jnp.int8) -> float:
   r"""LSQ's recommended ``grad_factor`` for :func:`fake_quantize_learnable`.
 
@@ -496,8 +494,7 @@ def lsq_grad_factor(elements_per_scale: int, *, dtype: DTypeLike = jnp.int8) -> 
     >>> round(jq.lsq_grad_factor(4 * 64, dtype=jnp.int4), 6)  # 1 / sqrt(256 * 7)
     0.023623
   """
-  function = "lsq_grad_factor"
-  elements = _validate.static_int(function, "elements_per_scale", elements_per_scale)
-  _validate.check(elements > 0, function, "elements_per_scale", "a positive int", elements)
-  info = _dtypes.quantized_dtype(function, "dtype", dtype, integer=True)
+  elements = _validate.static_int("elements_per_scale", elements_per_scale)
+  _validate.check(elements > 0, "elements_per_scale", "a positive int", elements)
+  info = _dtypes.quantized_dtype("dtype", dtype, integer=True)
   return 1.0 / math.sqrt(elements * info.max)

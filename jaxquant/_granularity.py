@@ -94,7 +94,6 @@ def _block_size_range(length: int, blocks: int) -> str:
 
 
 def resolve(
-    function: str,
     x_shape: Sequence[int],
     scale_shape: Sequence[int],
     zero_point_shape: Sequence[int] | None = None,
@@ -105,7 +104,6 @@ def resolve(
   """Resolves the layout of ``scale`` against ``x``, validating every shape.
 
   Args:
-    function: the public op's name, for error messages.
     x_shape: shape of the quantized or float input.
     scale_shape: shape of the scale.
     zero_point_shape: shape of the zero point, which must equal ``scale_shape``
@@ -121,14 +119,14 @@ def resolve(
   """
   x_shape, scale_shape = tuple(x_shape), tuple(scale_shape)
   rank = len(x_shape)
-  block_size = _validate.block_size(function, block_size)
+  block_size = _validate.block_size(block_size)
   if zero_point_shape is not None:
     # A 0-d and a one-element parameter are both per-tensor, so ONNX models
     # pair them freely (a () scale with a (1,) zero point).
     _validate.check(
         tuple(zero_point_shape) == scale_shape
         or math.prod(zero_point_shape) == math.prod(scale_shape) == 1,
-        function, "zero_point.shape", f"equal to scale.shape {scale_shape}",
+        "zero_point.shape", f"equal to scale.shape {scale_shape}",
         tuple(zero_point_shape),
     )
 
@@ -136,7 +134,7 @@ def resolve(
     # ONNX and onnxruntime refuse block_size with a per-tensor scale; a
     # one-element scale of x's rank is one block, checked below.
     _validate.check(
-        block_size == 0, function, "block_size",
+        block_size == 0, "block_size",
         f"0 for a per-tensor scale of shape {scale_shape} (blocked quantization takes a "
         f"scale of x's rank {rank})", block_size,
     )
@@ -144,13 +142,13 @@ def resolve(
 
   if len(scale_shape) == 1 and rank >= 2:
     _validate.check(
-        block_size == 0, function, "block_size",
+        block_size == 0, "block_size",
         "0 for a 1-D per-axis scale (blocked quantization takes a scale of x's "
         f"rank {rank})", block_size,
     )
-    axis = _validate.normalize_axis(function, axis, rank)
+    axis = _validate.normalize_axis(axis, rank)
     _validate.check(
-        scale_shape[0] == x_shape[axis], function, "scale.shape",
+        scale_shape[0] == x_shape[axis], "scale.shape",
         f"({x_shape[axis]},) for per-axis quantization along axis {axis} of x.shape "
         f"{x_shape}", scale_shape,
     )
@@ -158,34 +156,34 @@ def resolve(
 
   if block_size > 0:
     _validate.check(
-        len(scale_shape) == rank, function, "scale.shape",
+        len(scale_shape) == rank, "scale.shape",
         f"of x's rank {rank} for blocked quantization (block_size={block_size})",
         scale_shape,
     )
-    axis = _validate.normalize_axis(function, axis, rank)
+    axis = _validate.normalize_axis(axis, rank)
     blocked = _blocked(x_shape, axis, block_size)
     expected = blocked.param_shape
     _validate.check(
         all(s == e for d, (s, e) in enumerate(zip(scale_shape, expected)) if d != axis),
-        function, "scale.shape", f"equal to x.shape {x_shape} except along axis {axis}",
+        "scale.shape", f"equal to x.shape {x_shape} except along axis {axis}",
         scale_shape,
     )
     if scale_shape[axis] != expected[axis]:
       if x_shape[axis] == 0 or scale_shape[axis] == 0:
         # No block_size fits: an empty axis has no blocks, a non-empty one has some.
         _validate.fail(
-            function, "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
+            "scale.shape", f"{expected} for x.shape {x_shape} blocked by "
             f"{block_size} along axis {axis}", scale_shape,
         )
       _validate.fail(
-          function, "block_size",
+          "block_size",
           f"{_block_size_range(x_shape[axis], scale_shape[axis])} for x.shape[{axis}]="
           f"{x_shape[axis]} and scale.shape[{axis}]={scale_shape[axis]}", block_size,
       )
     return blocked
 
   _validate.check(
-      len(scale_shape) == rank or 2 <= len(scale_shape) < rank, function, "scale.shape",
+      len(scale_shape) == rank or 2 <= len(scale_shape) < rank, "scale.shape",
       "(), one element, (x.shape[axis],), or of x's rank"
       + (f" (or 2..{rank - 1}, left-padded)" if rank > 2 else "")
       + f" for x.shape {x_shape}", scale_shape,
@@ -194,7 +192,7 @@ def resolve(
   _validate.check(
       all((p == 0 and n == 0) or (p > 0 and n % p == 0)
           for p, n in zip(param_shape, x_shape)),
-      function, "scale.shape",
+      "scale.shape",
       f"block-wise broadcastable to x.shape {x_shape} (each dim of x a multiple of "
       "scale's, rank left-padded with 1s)", scale_shape,
   )
@@ -277,7 +275,7 @@ def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: 
 
 
 def for_reduction(
-    function: str, x_shape: Sequence[int], *, axis: int | None, block_size: int
+    x_shape: Sequence[int], *, axis: int | None, block_size: int
 ) -> Granularity:
   """The layout of parameters computed from x itself (dynamic quantization).
 
@@ -289,14 +287,14 @@ def for_reduction(
   """
   x_shape = tuple(x_shape)
   rank = len(x_shape)
-  block_size = _validate.block_size(function, block_size)
+  block_size = _validate.block_size(block_size)
   if axis is None:
     _validate.check(
-        block_size == 0, function, "block_size",
+        block_size == 0, "block_size",
         "0 when axis is None (one scale for the tensor)", block_size,
     )
     return Granularity("per-tensor", (1,) * rank, x_shape)
-  axis = _validate.normalize_axis(function, axis, rank)
+  axis = _validate.normalize_axis(axis, rank)
   if block_size == 0:
     return _per_axis(x_shape, axis)
   return _blocked(x_shape, axis, block_size)

@@ -22,7 +22,6 @@ import pallas_kernels
 
 
 def zero_point_array(
-    function: str,
     argument: str,
     zero_point: ArrayLike | None,
     dtype: np.dtype,
@@ -35,7 +34,6 @@ def zero_point_array(
   rounded to ``dtype`` as quantize rounds, and uint8 codes pass through.
 
   Args:
-    function: the public function's name, for the message.
     argument: the argument's name, for the message.
     zero_point: the zero point, or ``None``.
     dtype: the quantized dtype.
@@ -49,12 +47,12 @@ def zero_point_array(
   """
   if zero_point is None:
     return None
-  info = _dtypes.quantized_dtype(function, argument, dtype)
+  info = _dtypes.quantized_dtype(argument, dtype)
   zero_point = jnp.asarray(zero_point)
   if host_dtype is None and zero_point.weak_type:
     _validate.check(
         not (info.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)),
-        function, argument, f"an integer for the integer dtype {info.name}",
+        argument, f"an integer for the integer dtype {info.name}",
         "a Python float", error=TypeError,
     )
     if info.as_codes:
@@ -64,7 +62,7 @@ def zero_point_array(
   got = zero_point.dtype if host_dtype is None else host_dtype
   given_as_codes = info.as_codes and host_dtype is None and got == jnp.uint8
   _validate.check(
-      got == info.dtype or given_as_codes, function, f"{argument}.dtype",
+      got == info.dtype or given_as_codes, f"{argument}.dtype",
       f"{info.name} (the quantized dtype){' or its uint8 codes' if info.as_codes else ''}",
       got.name, error=TypeError,
   )
@@ -104,12 +102,12 @@ def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
   return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(output_dtype)
 
 
-def _check_dequantize(function: str, arguments: dict) -> None:
+def _check_dequantize(arguments: dict) -> None:
   dtype = arguments["packed_dtype"]
   if dtype is None:
     dtype = jnp.int4 if arguments["packed_shape"] is not None else getattr(
         arguments["x"], "dtype", None)
-  _dtypes.check_host_zero_point(function, "zero_point", arguments["zero_point"], dtype)
+  _dtypes.check_host_zero_point("zero_point", arguments["zero_point"], dtype)
 
 
 @_bind.op(
@@ -205,17 +203,15 @@ def dequantize_linear(
     >>> jq.dequantize_linear(codes, 2.0, packed_dtype=jnp.float6_e2m3fn)
     Array([  3., -15.], dtype=float32)
   """
-  function = "dequantize_linear"
   x, x_dtype = _dtypes.host_codes(x)
   if x_dtype is not None:
     _validate.check(
-        packed_shape is None, function, "packed_shape",
+        packed_shape is None, "packed_shape",
         f"None for a NumPy {x_dtype.name} x (it holds values, not packed bytes)",
         packed_shape, error=TypeError,
     )
     _validate.check(
-        packed_dtype is None or _dtypes._as_dtype(packed_dtype) == x_dtype, function,
-        "packed_dtype", f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype),
+        packed_dtype is None or _dtypes._as_dtype(packed_dtype) == x_dtype, "packed_dtype", f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype),
         error=TypeError,
     )
     packed_dtype = x_dtype
@@ -238,42 +234,41 @@ def _dequantize_linear(
     x, scale, zero_point, *, axis, block_size, output_dtype, implementation, packed_shape,
     packed_dtype, zero_point_dtype,
 ):
-  function = "dequantize_linear"
   x = jnp.asarray(x)
   shape = x.shape
   if packed_shape is not None:
     shape = packed_shape
     info = _packing.sub_byte_dtype(
-        function, "packed_dtype", jnp.int4 if packed_dtype is None else packed_dtype
+        "packed_dtype", jnp.int4 if packed_dtype is None else packed_dtype
     )
-    x = _packing.packed_bytes(function, x, shape, info.dtype)
+    x = _packing.packed_bytes(x, shape, info.dtype)
   elif packed_dtype is not None:
-    info = _packing.sub_byte_dtype(function, "packed_dtype", packed_dtype)
+    info = _packing.sub_byte_dtype("packed_dtype", packed_dtype)
     accepted = ["uint8"] + ([] if info.as_codes else [info.name])
     _validate.check(
-        x.dtype.name in accepted, function, "x.dtype",
+        x.dtype.name in accepted, "x.dtype",
         f"{' or '.join(accepted)} (one code per byte) for packed_dtype={info.name} "
         "without packed_shape", x.dtype.name, error=TypeError,
     )
     x = _packing.from_codes(x, info) if x.dtype == jnp.uint8 else x
   else:
-    info = _dtypes.quantized_dtype(function, "x.dtype", x.dtype)
-  scale = _dtypes.scale_array(function, "scale", scale)
+    info = _dtypes.quantized_dtype("x.dtype", x.dtype)
+  scale = _dtypes.scale_array("scale", scale)
   zero_point = zero_point_array(
-      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
   if output_dtype is None:
     output_dtype = (
         scale.dtype if scale.dtype in _dtypes.OUTPUT_FLOAT_DTYPES else jnp.float32
     )
-  output_dtype = _dtypes.float_dtype(function, "output_dtype", output_dtype)
+  output_dtype = _dtypes.float_dtype("output_dtype", output_dtype)
   granularity = _granularity.resolve(
-      function, shape, scale.shape, None if zero_point is None else zero_point.shape,
+      shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
   formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
   # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
-  use_kernel = _dispatch.select(function, implementation) == "pallas" and math.prod(shape) > 0
+  use_kernel = _dispatch.select("dequantize_linear", implementation) == "pallas" and math.prod(shape) > 0
   # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
   per_byte = 1
   if packed_shape is not None:
@@ -305,7 +300,7 @@ def _dequantize_linear(
     )
 
   return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      kernel, xla, platforms=_dispatch.kernel_platforms("dequantize_linear", implementation))(
       x, scale, zero_point)
 
 
@@ -385,7 +380,6 @@ def _packed_quantize(formula, x, params, granularity, bits):
 
 
 def quantized_output_dtype(
-    function: str,
     zero_point: ArrayLike | None,
     output_dtype: DTypeLike | None,
     *,
@@ -404,24 +398,24 @@ def quantized_output_dtype(
       zero_point_dtype = jnp.asarray(zero_point).dtype
   if zero_point_dtype is not None:
     info = _dtypes.quantized_dtype(
-        function, f"{argument}.dtype", zero_point_dtype, integer=integer
+        f"{argument}.dtype", zero_point_dtype, integer=integer
     )
     if output_dtype is not None:
-      _dtypes.quantized_dtype(function, "output_dtype", output_dtype, integer=integer)
+      _dtypes.quantized_dtype("output_dtype", output_dtype, integer=integer)
       _validate.check(
-          np.dtype(output_dtype) == info.dtype, function, "output_dtype",
+          np.dtype(output_dtype) == info.dtype, "output_dtype",
           f"None or {argument}'s dtype {info.name}", np.dtype(output_dtype).name,
       )
     return info
   return _dtypes.quantized_dtype(
-      function, "output_dtype", default if output_dtype is None else output_dtype,
+      "output_dtype", default if output_dtype is None else output_dtype,
       integer=integer,
   )
 
 
-def _check_quantize(function: str, arguments: dict) -> None:
+def _check_quantize(arguments: dict) -> None:
   _dtypes.check_host_zero_point(
-      function, "zero_point", arguments["zero_point"], arguments["output_dtype"] or jnp.uint8
+      "zero_point", arguments["zero_point"], arguments["output_dtype"] or jnp.uint8
   )
 
 
@@ -538,25 +532,24 @@ def _quantize_linear(
     x, scale, zero_point, *, axis, block_size, output_dtype, saturate, precision,
     implementation, zero_point_dtype, packed=False,
 ):
-  function = "quantize_linear"
   x = jnp.asarray(x)
   if x.dtype != jnp.int32:
-    x = _dtypes.float_input(function, "x", x, also="int32")
-  scale = _dtypes.scale_array(function, "scale", scale)
+    x = _dtypes.float_input("x", x, also="int32")
+  scale = _dtypes.scale_array("scale", scale)
   info = quantized_output_dtype(
-      function, zero_point, output_dtype, zero_point_dtype=zero_point_dtype
+      zero_point, output_dtype, zero_point_dtype=zero_point_dtype
   )
   _validate.check(
-      not packed or info.bits < 8, function, "packed",
+      not packed or info.bits < 8, "packed",
       f"False for {info.name} (only sub-byte dtypes pack)", packed,
   )
   zero_point = zero_point_array(
-      function, "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
   precision = (_dtypes.division_precision(scale.dtype) if precision is None
-               else _dtypes.float_dtype(function, "precision", precision))
+               else _dtypes.float_dtype("precision", precision))
   granularity = _granularity.resolve(
-      function, x.shape, scale.shape, None if zero_point is None else zero_point.shape,
+      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
   formula = functools.partial(
@@ -573,7 +566,7 @@ def _quantize_linear(
         formula, x, [scale, zero_point], granularity
     )
 
-  if _dispatch.select(function, implementation) != "pallas" or not x.size:
+  if _dispatch.select("quantize_linear", implementation) != "pallas" or not x.size:
     return xla(x, scale, zero_point)
 
   def kernel(x, scale, zero_point):
@@ -584,5 +577,5 @@ def _quantize_linear(
     return _packing.pack_codes(_packing.to_codes(y, info), info.bits) if packed else y
 
   return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+      kernel, xla, platforms=_dispatch.kernel_platforms("quantize_linear", implementation))(
       x, scale, zero_point)

@@ -33,7 +33,7 @@ _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
 
 
-def _dimension_numbers(function: str, value: Any) -> DimensionNumbers:
+def _dimension_numbers(value: Any) -> DimensionNumbers:
   """``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` as nested tuples."""
   try:
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = value
@@ -43,7 +43,7 @@ def _dimension_numbers(function: str, value: Any) -> DimensionNumbers:
     )
   except (TypeError, ValueError):
     _validate.fail(
-        function, "dimension_numbers",
+        "dimension_numbers",
         "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)) as in lax.dot_general",
         repr(value), error=TypeError,
     )
@@ -58,7 +58,7 @@ class _Side:
     self.batch = batch
     self.free = tuple(d for d in range(ndim) if d not in contracting and d not in batch)
 
-  def parameter(self, function: str, argument: str, value: jax.Array, shape) -> jax.Array:
+  def parameter(self, argument: str, value: jax.Array, shape) -> jax.Array:
     """Checks that ``value`` is per-tensor or constant along the contracting dims."""
     if value.size == 1:
       return value.reshape(())
@@ -66,7 +66,7 @@ class _Side:
         value.ndim == self.ndim
         and all(value.shape[d] == 1 for d in self.contracting)
         and all(value.shape[d] in (1, shape[d]) for d in range(self.ndim)),
-        function, f"{argument}.shape",
+        f"{argument}.shape",
         f"one element, or rank {self.ndim} with 1 on the contracting dims "
         f"{self.contracting} and 1 or the operand's size elsewhere (operand shape {shape})",
         value.shape,
@@ -234,17 +234,17 @@ def integer_dot(
   return accumulator
 
 
-def _operand(function, name, x, zero_point):
+def _operand(name, x, zero_point):
   x = jnp.asarray(x)
-  info = _dtypes.quantized_dtype(function, f"{name}.dtype", x.dtype, integer=True)
+  info = _dtypes.quantized_dtype(f"{name}.dtype", x.dtype, integer=True)
   _validate.check(
-      info.bits <= 16, function, f"{name}.dtype", "an integer dtype of at most 16 bits",
+      info.bits <= 16, f"{name}.dtype", "an integer dtype of at most 16 bits",
       info.name, error=TypeError,
   )
-  return x, info, _linear.zero_point_array(function, f"{name}_zero_point", zero_point, info.dtype)
+  return x, info, _linear.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
 
 
-def _check_dimensions(function, lhs_shape, rhs_shape, dimension_numbers):
+def _check_dimensions(lhs_shape, rhs_shape, dimension_numbers):
   (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
   for name, dims, shape in [
       ("lhs_contracting", lhs_contracting, lhs_shape), ("rhs_contracting", rhs_contracting,
@@ -252,24 +252,24 @@ def _check_dimensions(function, lhs_shape, rhs_shape, dimension_numbers):
       ("lhs_batch", lhs_batch, lhs_shape), ("rhs_batch", rhs_batch, rhs_shape),
   ]:
     _validate.check(
-        all(0 <= d < len(shape) for d in dims), function, f"dimension_numbers' {name}",
+        all(0 <= d < len(shape) for d in dims), f"dimension_numbers' {name}",
         f"dims in [0, {len(shape)}) (non-negative, as lax.dot_general takes them)", dims,
     )
   _validate.check(
       [lhs_shape[d] for d in lhs_contracting] == [rhs_shape[d] for d in rhs_contracting],
-      function, "rhs.shape", f"equal to lhs.shape {lhs_shape} on the contracting dims",
+      "rhs.shape", f"equal to lhs.shape {lhs_shape} on the contracting dims",
       rhs_shape,
   )
 
 
-def _check_dot_zero_points(function: str, arguments: dict) -> None:
+def _check_dot_zero_points(arguments: dict) -> None:
   for name in ("lhs", "rhs"):
     if arguments[f"{name}_zero_point"] is None:
       continue  # nothing to check, and jnp.issubdtype is not free
     dtype = getattr(arguments[name], "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
       dtype = _INT8  # a float operand is quantized to int8 unless its zero point says otherwise
-    _dtypes.check_host_zero_point(function, f"{name}_zero_point",
+    _dtypes.check_host_zero_point(f"{name}_zero_point",
                                   arguments[f"{name}_zero_point"], dtype)
 
 
@@ -349,14 +349,13 @@ def quantized_dot_general(
     Array([[126.5, 382. ],
            [  3. ,   4. ]], dtype=float32)
   """
-  function = "quantized_dot_general"
-  dimension_numbers = _dimension_numbers(function, dimension_numbers)
+  dimension_numbers = _dimension_numbers(dimension_numbers)
   # Only the dtypes are read here: jnp.asarray would return a jax.Array
   # itself, after checks costing more than the jit dispatch.
   lhs, rhs = (v if isinstance(v, jax.Array) else jnp.asarray(v) for v in (lhs, rhs))
   if jnp.issubdtype(lhs.dtype, jnp.floating) or jnp.issubdtype(rhs.dtype, jnp.floating):
     return _fake_quantized_dot(
-        function, lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point, rhs_scale,
+        lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point, rhs_scale,
         rhs_zero_point, preferred_element_type,
     )
   return _quantized_dot(
@@ -369,21 +368,21 @@ def quantized_dot_general(
 def _quantized_dot(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point, *,
                    dimension_numbers, preferred_element_type):
   return _integer_product(
-      "quantized_dot_general", lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
       dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
   )
 
 
-def _scaled(function, accumulator, lhs_scale, rhs_scale, sides, preferred_element_type):
+def _scaled(accumulator, lhs_scale, rhs_scale, sides, preferred_element_type):
   """``float32(acc) * (lhs_scale * rhs_scale)`` rounded once to the output dtype."""
   if lhs_scale is None and rhs_scale is None:
     _validate.check(
-        preferred_element_type in (None, _INT32), function, "preferred_element_type",
+        preferred_element_type in (None, _INT32), "preferred_element_type",
         "None or int32 without scales", preferred_element_type,
     )
     return accumulator
   output_dtype = _dtypes.float_dtype(
-      function, "preferred_element_type",
+      "preferred_element_type",
       _FLOAT32 if preferred_element_type is None else preferred_element_type,
   )
   lhs_side, rhs_side = sides
@@ -397,12 +396,12 @@ def _scaled(function, accumulator, lhs_scale, rhs_scale, sides, preferred_elemen
   return (accumulator.astype(jnp.float32) * scale).astype(output_dtype)
 
 
-def _prepare(function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+def _prepare(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
              dimension_numbers, names=("lhs", "rhs")):
   """Validated integer operands and parameters, with their sides."""
-  lhs, lhs_info, lhs_zero_point = _operand(function, names[0], lhs, lhs_zero_point)
-  rhs, rhs_info, rhs_zero_point = _operand(function, names[1], rhs, rhs_zero_point)
-  _check_dimensions(function, lhs.shape, rhs.shape, dimension_numbers)
+  lhs, lhs_info, lhs_zero_point = _operand(names[0], lhs, lhs_zero_point)
+  rhs, rhs_info, rhs_zero_point = _operand(names[1], rhs, rhs_zero_point)
+  _check_dimensions(lhs.shape, rhs.shape, dimension_numbers)
   (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
   sides = (_Side(lhs.ndim, lhs_contracting, lhs_batch),
            _Side(rhs.ndim, rhs_contracting, rhs_batch))
@@ -413,28 +412,28 @@ def _prepare(function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_
   ]:
     if scale is not None:
       scale = side.parameter(
-          function, f"{name}_scale", _dtypes.scale_array(function, f"{name}_scale", scale),
+          f"{name}_scale", _dtypes.scale_array(f"{name}_scale", scale),
           x.shape)
     if zero_point is not None:
-      zero_point = side.parameter(function, f"{name}_zero_point", zero_point, x.shape)
+      zero_point = side.parameter(f"{name}_zero_point", zero_point, x.shape)
     parameters += [scale, zero_point]
   return lhs, rhs, (lhs_info, rhs_info), sides, parameters
 
 
-def _integer_product(function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+def _integer_product(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
                      *, dimension_numbers, preferred_element_type, names=("lhs", "rhs")):
   lhs, rhs, (lhs_info, rhs_info), sides, parameters = _prepare(
-      function, lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
+      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
       dimension_numbers, names)
   lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point = parameters
   accumulator = integer_dot(
       lhs, rhs, lhs_zero_point, rhs_zero_point, dimension_numbers,
       lhs_info=lhs_info, rhs_info=rhs_info,
   )
-  return _scaled(function, accumulator, lhs_scale, rhs_scale, sides, preferred_element_type)
+  return _scaled(accumulator, lhs_scale, rhs_scale, sides, preferred_element_type)
 
 
-def _fake_quantized_dot(function, lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point,
+def _fake_quantized_dot(lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point,
                         rhs_scale, rhs_zero_point, preferred_element_type):
   """Float operands: the integer product's values, fake quantization's derivatives."""
   operands = []
@@ -444,12 +443,12 @@ def _fake_quantized_dot(function, lhs, rhs, dimension_numbers, lhs_scale, lhs_ze
       operands.append((x, scale, zero_point, None))
       continue
     _validate.check(
-        scale is not None, function, f"{name}_scale",
+        scale is not None, f"{name}_scale",
         f"given for a float {name} (it is quantized with it)", None, error=TypeError,
     )
     # The zero point's dtype, int8 for none or a Python int, as quantize_linear reads it.
     info = _linear.quantized_output_dtype(
-        function, zero_point, None, argument=f"{name}_zero_point", default=_INT8, integer=True)
+        zero_point, None, argument=f"{name}_zero_point", default=_INT8, integer=True)
     operands.append((x, jnp.asarray(scale), zero_point, info.dtype))
   (lhs, lhs_scale, lhs_zero_point, lhs_dtype), (rhs, rhs_scale, rhs_zero_point, rhs_dtype) = (
       operands)
@@ -480,7 +479,6 @@ def _fake_quantized_dot_jit(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_
 
   def integer(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point):
     return _integer_product(
-        "quantized_dot_general",
         quantized(lhs, lhs_scale, lhs_zero_point, dtypes[0]),
         quantized(rhs, rhs_scale, rhs_zero_point, dtypes[1]),
         lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
@@ -500,15 +498,15 @@ def _fake_quantized_dot_jit(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_
       lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point)
 
 
-def _matmul_operands(function, a, b):
+def _matmul_operands(a, b):
   """ONNX MatMul's operands as rank >= 2 arrays, their dimension numbers and output shape."""
   a, b = jnp.asarray(a), jnp.asarray(b)
-  _validate.check(a.ndim >= 1, function, "a.shape", "at least 1-D (ONNX MatMul)", a.shape)
-  _validate.check(b.ndim >= 1, function, "b.shape", "at least 1-D (ONNX MatMul)", b.shape)
+  _validate.check(a.ndim >= 1, "a.shape", "at least 1-D (ONNX MatMul)", a.shape)
+  _validate.check(b.ndim >= 1, "b.shape", "at least 1-D (ONNX MatMul)", b.shape)
   a2 = a[None] if a.ndim == 1 else a
   b2 = b[:, None] if b.ndim == 1 else b
   _validate.check(
-      a2.shape[-1] == b2.shape[-2], function, "b.shape",
+      a2.shape[-1] == b2.shape[-2], "b.shape",
       f"(..., {a2.shape[-1]}, N) to multiply a.shape {a.shape}", b.shape,
   )
   if b2.ndim == 2:
@@ -518,7 +516,7 @@ def _matmul_operands(function, a, b):
     try:
       batch = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
     except ValueError:
-      _validate.fail(function, "b.shape", f"batch-broadcastable with a.shape {a.shape}",
+      _validate.fail("b.shape", f"batch-broadcastable with a.shape {a.shape}",
                      b.shape)
     a2 = jnp.broadcast_to(a2, batch + a2.shape[-2:])
     b2 = jnp.broadcast_to(b2, batch + b2.shape[-2:])
@@ -532,7 +530,7 @@ def _matmul_operands(function, a, b):
   return a2, b2, dimension_numbers, shape
 
 
-def _per_row(function, argument, value, operand_ndim, *, rows: bool):
+def _per_row(argument, value, operand_ndim, *, rows: bool):
   """An ONNX per-tensor, 1-D (per row of a / column of b) or N-D parameter in operand rank."""
   if value is None:
     return None
@@ -542,24 +540,24 @@ def _per_row(function, argument, value, operand_ndim, *, rows: bool):
   if value.ndim == 1:
     value = value[:, None] if rows else value[None, :]
   _validate.check(
-      value.ndim <= operand_ndim, function, f"{argument}.shape",
+      value.ndim <= operand_ndim, f"{argument}.shape",
       f"one element, 1-D, or of at most the operand's rank {operand_ndim}", value.shape,
   )
   return value.reshape((1,) * (operand_ndim - value.ndim) + value.shape)
 
 
-def _onnx_zero_points(function, a, b, a_zero_point, b_zero_point):
+def _onnx_zero_points(a, b, a_zero_point, b_zero_point):
   """Zero points as the operands' dtype (a Python int takes it), in operand rank."""
-  a_zero_point = _linear.zero_point_array(function, "a_zero_point", a_zero_point, a.dtype)
-  b_zero_point = _linear.zero_point_array(function, "b_zero_point", b_zero_point, b.dtype)
-  return (_per_row(function, "a_zero_point", a_zero_point, a.ndim, rows=True),
-          _per_row(function, "b_zero_point", b_zero_point, b.ndim, rows=False))
+  a_zero_point = _linear.zero_point_array("a_zero_point", a_zero_point, a.dtype)
+  b_zero_point = _linear.zero_point_array("b_zero_point", b_zero_point, b.dtype)
+  return (_per_row("a_zero_point", a_zero_point, a.ndim, rows=True),
+          _per_row("b_zero_point", b_zero_point, b.ndim, rows=False))
 
 
-def _check_onnx_zero_points(function: str, arguments: dict) -> None:
+def _check_onnx_zero_points(arguments: dict) -> None:
   for name in ("a", "b"):
     _dtypes.check_host_zero_point(
-        function, f"{name}_zero_point", arguments[f"{name}_zero_point"],
+        f"{name}_zero_point", arguments[f"{name}_zero_point"],
         getattr(arguments[name], "dtype", None),
     )
 
@@ -606,20 +604,19 @@ def matmul_integer(
     Array([[-38, -68],
            [-44, -80]], dtype=int32)
   """
-  function = "matmul_integer"
-  a2, b2, dimension_numbers, shape = _matmul_operands(function, a, b)
-  a_zero_point, b_zero_point = _onnx_zero_points(function, a2, b2, a_zero_point, b_zero_point)
+  a2, b2, dimension_numbers, shape = _matmul_operands(a, b)
+  a_zero_point, b_zero_point = _onnx_zero_points(a2, b2, a_zero_point, b_zero_point)
   accumulator = _integer_product(
-      function, a2, b2, None, a_zero_point, None, b_zero_point,
+      a2, b2, None, a_zero_point, None, b_zero_point,
       dimension_numbers=dimension_numbers, preferred_element_type=None, names=("a", "b"),
   )
   return accumulator.reshape(shape)
 
 
-def _check_qlinear_zero_points(function: str, arguments: dict) -> None:
-  _check_onnx_zero_points(function, arguments)
+def _check_qlinear_zero_points(arguments: dict) -> None:
+  _check_onnx_zero_points(arguments)
   _dtypes.check_host_zero_point(
-      function, "y_zero_point", arguments["y_zero_point"],
+      "y_zero_point", arguments["y_zero_point"],
       arguments["output_dtype"] or getattr(arguments["a"], "dtype", None),
   )
 
@@ -684,27 +681,26 @@ def qlinear_matmul(
     Array([[185,   1],
            [144, 207]], dtype=uint8)
   """
-  function = "qlinear_matmul"
-  a2, b2, dimension_numbers, shape = _matmul_operands(function, a, b)
-  a_info = _dtypes.quantized_dtype(function, "a.dtype", a2.dtype, integer=True)
+  a2, b2, dimension_numbers, shape = _matmul_operands(a, b)
+  a_info = _dtypes.quantized_dtype("a.dtype", a2.dtype, integer=True)
   out_info = _linear.quantized_output_dtype(
-      function, y_zero_point, output_dtype, argument="y_zero_point", default=a_info.dtype,
+      y_zero_point, output_dtype, argument="y_zero_point", default=a_info.dtype,
       integer=True,
   )
-  a_zero_point, b_zero_point = _onnx_zero_points(function, a2, b2, a_zero_point, b_zero_point)
-  a_scale = _per_row(function, "a_scale", _dtypes.scale_array(function, "a_scale", a_scale),
+  a_zero_point, b_zero_point = _onnx_zero_points(a2, b2, a_zero_point, b_zero_point)
+  a_scale = _per_row("a_scale", _dtypes.scale_array("a_scale", a_scale),
                      a2.ndim, rows=True)
-  b_scale = _per_row(function, "b_scale", _dtypes.scale_array(function, "b_scale", b_scale),
+  b_scale = _per_row("b_scale", _dtypes.scale_array("b_scale", b_scale),
                      b2.ndim, rows=False)
-  y_scale = _dtypes.scale_array(function, "y_scale", y_scale)
-  y_zero_point = _linear.zero_point_array(function, "y_zero_point", y_zero_point, out_info.dtype)
+  y_scale = _dtypes.scale_array("y_scale", y_scale)
+  y_zero_point = _linear.zero_point_array("y_zero_point", y_zero_point, out_info.dtype)
   for name, value in [("y_scale", y_scale), ("y_zero_point", y_zero_point)]:
     _validate.check(
-        value is None or value.size == 1, function, f"{name}.shape",
+        value is None or value.size == 1, f"{name}.shape",
         "() or one element (per-tensor)", None if value is None else value.shape,
     )
   lhs, rhs, infos, sides, (a_scale, a_zero_point, b_scale, b_zero_point) = _prepare(
-      function, a2, b2, a_scale, a_zero_point, b_scale, b_zero_point, dimension_numbers,
+      a2, b2, a_scale, a_zero_point, b_scale, b_zero_point, dimension_numbers,
       ("a", "b"))
   accumulator = integer_dot(
       lhs, rhs, a_zero_point, b_zero_point, dimension_numbers,
@@ -725,24 +721,24 @@ def qlinear_matmul(
 _NBITS_DTYPES = {2: np.dtype(jnp.uint2), 4: np.dtype(jnp.uint4), 8: _UINT8}
 
 
-def _nbits_bits(function: str, argument: str, value: Any) -> int:
-  value = _bind.integer(function, argument, value)
-  _validate.check(value in _NBITS_DTYPES, function, argument, "2, 4 or 8", value)
+def _nbits_bits(argument: str, value: Any) -> int:
+  value = _bind.integer(argument, value)
+  _validate.check(value in _NBITS_DTYPES, argument, "2, 4 or 8", value)
   return value
 
 
-def _nbits_block_size(function: str, argument: str, value: Any) -> int:
-  value = _bind.integer(function, argument, value)
+def _nbits_block_size(argument: str, value: Any) -> int:
+  value = _bind.integer(argument, value)
   _validate.check(
-      value >= 16 and value & (value - 1) == 0, function, argument,
+      value >= 16 and value & (value - 1) == 0, argument,
       "a power of two >= 16 (MatMulNBits)", value,
   )
   return value
 
 
-def _positive(function: str, argument: str, value: Any) -> int:
-  value = _bind.integer(function, argument, value)
-  _validate.check(value > 0, function, argument, "a positive int", value)
+def _positive(argument: str, value: Any) -> int:
+  value = _bind.integer(argument, value)
+  _validate.check(value > 0, argument, "a positive int", value)
   return value
 
 
@@ -755,19 +751,18 @@ def nbits_inputs(b, scales, zero_points, *, K, N, bits, block_size):
     ``(N, k_blocks)``: uint8 codes (onnxruntime's default ``2**(bits - 1)``
     when absent), or float as given.
   """
-  function = "matmul_nbits"
   blocks = -(-K // block_size)
   blob_size = block_size * bits // 8
   b = jnp.asarray(b)
-  _validate.check(b.dtype == _UINT8, function, "b.dtype", "uint8 (packed)", b.dtype.name,
+  _validate.check(b.dtype == _UINT8, "b.dtype", "uint8 (packed)", b.dtype.name,
                   error=TypeError)
   _validate.check(
-      b.size == N * blocks * blob_size, function, "b.shape",
+      b.size == N * blocks * blob_size, "b.shape",
       f"(N, k_blocks, blob_size) = ({N}, {blocks}, {blob_size})", b.shape,
   )
-  scales = _dtypes.scale_array(function, "scales", scales)
+  scales = _dtypes.scale_array("scales", scales)
   _validate.check(
-      scales.size == N * blocks, function, "scales.shape", f"(N, k_blocks) = ({N}, {blocks})",
+      scales.size == N * blocks, "scales.shape", f"(N, k_blocks) = ({N}, {blocks})",
       scales.shape,
   )
   if zero_points is None:
@@ -775,19 +770,19 @@ def nbits_inputs(b, scales, zero_points, *, K, N, bits, block_size):
   elif jnp.issubdtype(jnp.asarray(zero_points).dtype, jnp.floating):
     zero_points = jnp.asarray(zero_points)
     _validate.check(
-        zero_points.size == N * blocks, function, "zero_points.shape",
+        zero_points.size == N * blocks, "zero_points.shape",
         f"(N, k_blocks) = ({N}, {blocks}) for float zero points", zero_points.shape,
     )
     zero_points = zero_points.reshape(N, blocks)
   else:
     zero_points = jnp.asarray(zero_points)
     _validate.check(
-        zero_points.dtype == _UINT8, function, "zero_points.dtype",
+        zero_points.dtype == _UINT8, "zero_points.dtype",
         "uint8 (packed) or a float dtype", zero_points.dtype.name, error=TypeError,
     )
     row_bytes = -(-blocks * bits // 8)
     _validate.check(
-        zero_points.size == N * row_bytes, function, "zero_points.shape",
+        zero_points.size == N * row_bytes, "zero_points.shape",
         f"(N, ceil(k_blocks * bits / 8)) = ({N}, {row_bytes})", zero_points.shape,
     )
     zero_points = pallas_kernels.matmul.unpack_codes(
@@ -813,7 +808,7 @@ def nbits_weight(packed, scales, zero_points, *, K, bits, block_size):
     )
   # Whole blocks: dequantize_linear's formula on an (N, blocks, block_size)
   # view, the same element-wise arithmetic in one fusion.
-  info = _dtypes.quantized_dtype("matmul_nbits", "bits", dtype)
+  info = _dtypes.quantized_dtype("bits", dtype)
   weight = _linear.dequantize_formula(
       codes.reshape(n, blocks, block_size), scales[:, :, None], zero_points[:, :, None],
       info=info, output_dtype=jnp.float32,
@@ -838,7 +833,7 @@ def _nbits_kernel(a, packed, scales, zero_points, *, K, bits, block_size):
   """The fused kernel on MatMulNBits' own layout: packed rows, per-block scales and codes."""
   formula = functools.partial(
       _linear.dequantize_formula,
-      info=_dtypes.quantized_dtype("matmul_nbits", "bits", _NBITS_DTYPES[bits]),
+      info=_dtypes.quantized_dtype("bits", _NBITS_DTYPES[bits]),
       output_dtype=jnp.float32,
   )
   y = pallas_kernels.dequantize_matmul(
@@ -914,10 +909,9 @@ def matmul_nbits(
     ...                 block_size=16)
     Array([[-20.]], dtype=float32)
   """
-  function = "matmul_nbits"
   a = jnp.asarray(a)
-  _dtypes.float_input(function, "a", a)
-  _validate.check(a.ndim >= 1 and a.shape[-1] == K, function, "a.shape", f"(..., K = {K})",
+  _dtypes.float_input("a", a)
+  _validate.check(a.ndim >= 1 and a.shape[-1] == K, "a.shape", f"(..., K = {K})",
                   a.shape)
   packed, scales, zero_points = nbits_inputs(
       b, scales, zero_points, K=K, N=N, bits=bits, block_size=block_size)
@@ -925,16 +919,16 @@ def matmul_nbits(
   xla = functools.partial(_nbits_xla, **options)
   # A symbolic batch (jax.export) has no static grid to tile: XLA runs it.
   static_batch = all(isinstance(d, int) for d in a.shape)
-  if (_dispatch.select(function, implementation) == "pallas" and K % block_size == 0
+  if (_dispatch.select("matmul_nbits", implementation) == "pallas" and K % block_size == 0
       and zero_points.dtype == _UINT8 and static_batch and a.size):
     kernel = functools.partial(_nbits_kernel, **options)
     y = _dispatch.with_xla_derivatives(
-        kernel, xla, platforms=_dispatch.kernel_platforms(function, implementation))(
+        kernel, xla, platforms=_dispatch.kernel_platforms("matmul_nbits", implementation))(
         a, packed, scales, zero_points)
   else:
     y = xla(a, packed, scales, zero_points)
   if bias is not None:
     bias = jnp.asarray(bias)
-    _validate.check(bias.shape == (N,), function, "bias.shape", f"({N},)", bias.shape)
+    _validate.check(bias.shape == (N,), "bias.shape", f"({N},)", bias.shape)
     y = y + bias.astype(jnp.float32)
   return y.astype(a.dtype)

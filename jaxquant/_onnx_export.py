@@ -33,7 +33,7 @@ def _weight_tensor(onnx, name: str, weight: _params.QuantizedArray):
     data_type = onnx.helper.np_dtype_to_tensor_dtype(weight.dtype)
     return onnx.helper.make_tensor(name, data_type, weight.shape, values.tobytes(), raw=True)
   _validate.check(
-      values.dtype == weight.dtype, "export_onnx", "weight",
+      values.dtype == weight.dtype, "weight",
       f"packed (its {weight.dtype.name} values are uint8 codes)", "unpacked codes",
   )
   return onnx.numpy_helper.from_array(values, name)
@@ -65,15 +65,16 @@ def _row_scale_constants(onnx) -> list[Any]:
   ]
 
 
-def _check_int8_weight(function, weight, scale, graph):
+def _check_int8_weight(weight, scale, graph):
   _validate.check(
       weight.dtype == np.dtype(np.int8) and weight.zero_point is None
       and not weight.block_size and (scale.size == 1 or weight.axis == 1),
-      function, "weight", "int8 without zero point, per tensor or per output column, "
+      "weight", "int8 without zero point, per tensor or per output column, "
       f"for a {graph} graph", repr(weight),
   )
 
 
+@_validate.reports_as("export_onnx")
 def export_onnx(
     weight: _params.QuantizedArray,
     bias: ArrayLike | None = None,
@@ -144,20 +145,19 @@ def export_onnx(
     >>> [node.op_type for node in model.graph.node][-4:]
     ['MatMulInteger', 'Unsqueeze', 'Mul', 'DequantizeLinear']
   """
-  function = "export_onnx"
   onnx = _onnx()
   helper = onnx.helper
   _validate.check(
-      isinstance(weight, _params.QuantizedArray), function, "weight", "a QuantizedArray",
+      isinstance(weight, _params.QuantizedArray), "weight", "a QuantizedArray",
       type(weight).__name__, error=TypeError,
   )
-  _validate.check(len(weight.shape) == 2, function, "weight.shape", "(in, out)", weight.shape)
+  _validate.check(len(weight.shape) == 2, "weight.shape", "(in, out)", weight.shape)
   _validate.check(
-      activations in ("float", "dynamic_int8", "fake_quant"), function, "activations",
+      activations in ("float", "dynamic_int8", "fake_quant"), "activations",
       "'float', 'dynamic_int8' or 'fake_quant'", repr(activations),
   )
   _validate.check(
-      input_scale is None or activations == "float", function, "activations",
+      input_scale is None or activations == "float", "activations",
       "'float' with input_scale (a static int8 graph)", repr(activations),
   )
   n_in, n_out = weight.shape
@@ -166,7 +166,7 @@ def export_onnx(
   nodes = []
   product = "y" if bias is None else "xw"
   if activations == "dynamic_int8":
-    _check_int8_weight(function, weight, scale, "dynamic int8")
+    _check_int8_weight(weight, scale, "dynamic int8")
     initializers += _row_scale_constants(onnx) + [
         onnx.numpy_helper.from_array(np.array([1], np.int64), "row_axis"),
         # One per column even per tensor: y_scale needs the accumulator's shape.
@@ -202,7 +202,7 @@ def export_onnx(
       x = "x_dq"
     nodes.append(helper.make_node("MatMul", [x, "w"], [product]))
   else:
-    _check_int8_weight(function, weight, scale, "static int8")
+    _check_int8_weight(weight, scale, "static int8")
     input_scale = np.asarray(input_scale, np.float32).reshape(())
     zero_point = np.asarray(0 if input_zero_point is None else input_zero_point, np.int8)
     initializers += [

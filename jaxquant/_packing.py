@@ -55,13 +55,12 @@ def _either(names: Sequence[str]) -> str:
 
 
 def sub_byte_dtype(
-    function: str, argument: str, dtype: DTypeLike, *, bits: int | None = None,
+    argument: str, dtype: DTypeLike, *, bits: int | None = None,
     also: str = "",
 ) -> _dtypes.QuantizedDType:
   """Looks ``dtype`` up in the dtype table and checks that it packs below a byte.
 
   Args:
-    function: the public function's name, for the message.
     argument: the argument's name, for the message.
     dtype: the dtype to check.
     bits: accept only this width (4 for :func:`pack_int4`); default any width below 8.
@@ -73,10 +72,10 @@ def sub_byte_dtype(
   Raises:
     TypeError: if ``dtype`` is not a quantized dtype, or not one of ``bits`` bits.
   """
-  info = _dtypes.quantized_dtype(function, argument, dtype)
+  info = _dtypes.quantized_dtype(argument, dtype)
   allowed = [q for q in _SUB_BYTE if bits is None or q.bits == bits]
   _validate.check(
-      info in allowed, function, argument,
+      info in allowed, argument,
       _either([q.name for q in allowed]) + (f" ({also})" if also else ""), info.name,
       error=TypeError,
   )
@@ -237,30 +236,29 @@ def pack(
     Array([[241,   7],
            [ 50,   4]], dtype=uint8)
   """
-  function = "pack"
   x, host_dtype = _dtypes.host_codes(x)
   if host_dtype is not None:
     _validate.check(
-        dtype is None or _dtypes._as_dtype(dtype) == host_dtype, function, "dtype",
+        dtype is None or _dtypes._as_dtype(dtype) == host_dtype, "dtype",
         f"None or x's dtype {host_dtype.name}", _dtypes._name(dtype), error=TypeError,
     )
     dtype = host_dtype
-  return _pack(x, dtype=dtype, function=function, layout=layout)
+  return _pack(x, dtype=dtype, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "function", "bits", "layout"))
-def _pack(x, *, dtype, function, bits=None, layout="flat"):
+@functools.partial(jax.jit, static_argnames=("dtype", "bits", "layout"))
+def _pack(x, *, dtype, bits=None, layout="flat"):
   x = jnp.asarray(x)
   if dtype is None:
     info = sub_byte_dtype(
-        function, "x.dtype", x.dtype, bits=bits,
+        "x.dtype", x.dtype, bits=bits,
         also="" if bits else "or uint8 codes with dtype=",
     )
   else:
-    info = sub_byte_dtype(function, "dtype", dtype, bits=bits)
+    info = sub_byte_dtype("dtype", dtype, bits=bits)
     accepted = ["uint8"] + ([] if info.as_codes else [info.name])
     _validate.check(
-        x.dtype.name in accepted, function, "x.dtype",
+        x.dtype.name in accepted, "x.dtype",
         f"{' or '.join(accepted)} for dtype={info.name}", x.dtype.name, error=TypeError,
     )
   codes = to_codes(x, info)
@@ -268,7 +266,7 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
   # along a minor dim; name the layout that keeps that sharding instead.
   spec = getattr(jax.typeof(x).sharding, "spec", ())
   _validate.check(
-      layout == "rows" or not any(tuple(spec)[1:]), function, "x's sharding",
+      layout == "rows" or not any(tuple(spec)[1:]), "x's sharding",
       "unsplit after the first dim for ONNX's flat layout, which runs across rows "
       "(pack(x, layout='rows') keeps the sharding)", spec,
   )
@@ -280,9 +278,9 @@ def _pack(x, *, dtype, function, bits=None, layout="flat"):
 def _sub_byte_option(bits: int | None = None) -> _bind.Normalizer:
   """A dtype option checked by :func:`sub_byte_dtype` once per spelling (``_bind`` remembers it)."""
 
-  def normalize(function: str, argument: str, value: DTypeLike) -> np.dtype:
-    dtype = _bind.dtype(function, argument, value)
-    return sub_byte_dtype(function, argument, dtype, bits=bits).dtype
+  def normalize(argument: str, value: DTypeLike) -> np.dtype:
+    dtype = _bind.dtype(argument, value)
+    return sub_byte_dtype(argument, dtype, bits=bits).dtype
 
   return normalize
 
@@ -325,9 +323,10 @@ def unpack(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> jax.Arr
     >>> jq.unpack(jnp.array([200, 79, 0], jnp.uint8), (3,), jnp.float6_e2m3fn)
     Array([ 8, 63,  4], dtype=uint8)
   """
-  return _unpack(packed, shape, dtype, "unpack")
+  return _unpack(packed, shape, dtype)
 
 
+@_validate.reports_as("pack_int4")
 def pack_int4(x: ArrayLike) -> jax.Array:
   r"""Packs a 4-bit array two elements per byte: :func:`pack` for 4-bit dtypes only.
 
@@ -354,7 +353,7 @@ def pack_int4(x: ArrayLike) -> jax.Array:
     >>> jq.pack_int4(jnp.array([1, -1, 7], jnp.int4))
     Array([241,   7], dtype=uint8)
   """
-  return _pack(x, dtype=None, function="pack_int4", bits=4)
+  return _pack(x, dtype=None, bits=4)
 
 
 @_bind.op(shape=_bind.shape, dtype=_sub_byte_option(bits=4))
@@ -387,11 +386,11 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
     >>> jq.unpack_int4(jnp.array([241, 7], jnp.uint8), (3,), jnp.int4)
     Array([1, -1, 7], dtype=int4)
   """
-  return _unpack(packed, shape, dtype, "unpack_int4")
+  return _unpack(packed, shape, dtype)
 
 
 def packed_bytes(
-    function: str, packed: ArrayLike, shape: tuple[int, ...], dtype: DTypeLike
+    packed: ArrayLike, shape: tuple[int, ...], dtype: DTypeLike
 ) -> jax.Array:
   """Checks that ``packed`` is the uint8 bytes of ``shape`` packed by :func:`pack`.
 
@@ -402,10 +401,10 @@ def packed_bytes(
   """
   packed = jnp.asarray(packed)
   _validate.check(
-      packed.dtype == jnp.uint8, function, "packed.dtype", "uint8", packed.dtype.name,
+      packed.dtype == jnp.uint8, "packed.dtype", "uint8", packed.dtype.name,
       error=TypeError,
   )
-  bits = _dtypes.quantized_dtype(function, "dtype", dtype).bits
+  bits = _dtypes.quantized_dtype("dtype", dtype).bits
   size = packed_size(math.prod(shape), bits)
   expected = f"({size},)"
   rows = (size,)
@@ -413,7 +412,7 @@ def packed_bytes(
     rows = shape[:-1] + (packed_size(shape[-1], bits),)
     expected = f"({size},) (flat) or {rows} (rows)"
   _validate.check(
-      packed.shape in ((size,), rows), function, "packed.shape",
+      packed.shape in ((size,), rows), "packed.shape",
       f"{expected} to unpack into shape {shape}", packed.shape,
   )
   return packed
@@ -425,15 +424,13 @@ def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax
   Returns:
     An array of ``dtype``, or of uint8 codes for a dtype XLA lacks (float6).
   """
-  info = _dtypes.quantized_dtype("unpacked", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   if packed.ndim > 1:
     return from_codes(along_rows(
         functools.partial(_unpack_codes, size=shape[-1], bits=info.bits), packed), info)
   return from_codes(_unpack_codes(packed, math.prod(shape), info.bits), info).reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "function"))
-def _unpack(
-    packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype, function: str
-) -> jax.Array:
-  return unpacked(packed_bytes(function, packed, shape, dtype), shape, dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _unpack(packed: ArrayLike, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+  return unpacked(packed_bytes(packed, shape, dtype), shape, dtype)

@@ -61,7 +61,7 @@ class QuantizedArray:
 
   def dequantize(self) -> jax.Array:
     """The float tensor, :func:`dequantize_linear` of the values (bit for bit)."""
-    sub_byte = self.packed or _dtypes.quantized_dtype("dequantize", "dtype", self.dtype).as_codes
+    sub_byte = self.packed or _dtypes.quantized_dtype("dtype", self.dtype).as_codes
     return _linear.dequantize_linear(
         self.values, self.scale, self.zero_point, axis=self.axis, block_size=self.block_size,
         output_dtype=self.output_dtype, packed_shape=self.shape if self.packed else None,
@@ -174,18 +174,18 @@ def _rule_for(rules, name: str, leaf: Any) -> QuantizationRule | None:
   return None
 
 
-def _layout(function: str, leaf: Any, rule: QuantizationRule) -> tuple[int | None, bool]:
+def _layout(leaf: Any, rule: QuantizationRule) -> tuple[int | None, bool]:
   axis = rule.axis
   if axis is not None:
-    axis = _validate.normalize_axis(function, axis, np.ndim(leaf))
-  info = _dtypes.quantized_dtype(function, "rule.dtype", rule.dtype)
+    axis = _validate.normalize_axis(axis, np.ndim(leaf))
+  info = _dtypes.quantized_dtype("rule.dtype", rule.dtype)
   if rule.block_size and axis is not None:
     shards = _shards_along(leaf, axis)
     blocks = -(-leaf.shape[axis] // rule.block_size)
     # JAX shards the per-block scale along the same mesh axes, so the block
     # count must split evenly over them (else a ShardingTypeError deep inside).
     _validate.check(
-        blocks % shards == 0, function, "rule.block_size",
+        blocks % shards == 0, "rule.block_size",
         f"one giving a multiple of the {shards} shards along axis {axis} "
         f"({leaf.shape[axis]} elements give {blocks} blocks)", rule.block_size,
     )
@@ -211,8 +211,8 @@ def _shards_along(x: Any, axis: int) -> int:
   return int(np.prod([sharding.mesh.shape[name] for name in names if name in explicit]))
 
 
-def _quantize(function: str, leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
-  axis, packed = _layout(function, leaf, rule)
+def _quantize(leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
+  axis, packed = _layout(leaf, rule)
   scale, zero_point = _recipes.choose_qparams(
       leaf, rule.dtype, axis=axis, block_size=rule.block_size, method=rule.method
   )
@@ -227,7 +227,7 @@ def _splits_minor_dim(x: jax.Array) -> bool:
 
 
 def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> QuantizedArray:
-  info = _dtypes.quantized_dtype("quantize_params", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   values = _linear.quantize_linear(
       value, scale, zero_point, output_dtype=info.dtype, axis=axis, block_size=block_size
   )
@@ -243,14 +243,14 @@ def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> Qu
   )
 
 
-def _learnable(function: str, leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
-  axis, packed = _layout(function, leaf, rule)
-  info = _dtypes.quantized_dtype(function, "rule.dtype", rule.dtype, integer=True)
+def _learnable(leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
+  axis, packed = _layout(leaf, rule)
+  info = _dtypes.quantized_dtype("rule.dtype", rule.dtype, integer=True)
   scale, _ = _recipes.choose_qparams(
       leaf, info.dtype, axis=axis, block_size=rule.block_size, method=rule.method
   )
   _validate.check(
-      rule.method != "minmax", function, "rule.method",
+      rule.method != "minmax", "rule.method",
       "a symmetric recipe with learnable=True (the learned scale has zero point 0)",
       repr(rule.method),
   )
@@ -267,6 +267,7 @@ def _freeze(leaf: FakeQuantizedArray) -> QuantizedArray:
   )
 
 
+@_validate.reports_as("quantize_params")
 def quantize_params(
     params: Any,
     rules: QuantizationRule | Sequence[QuantizationRule] = (),
@@ -312,16 +313,15 @@ def quantize_params(
     Array([[ 0.5       , -0.8571429 ],
            [ 0.21428573,  2.        ]], dtype=float32)
   """
-  function = "quantize_params"
   if isinstance(rules, QuantizationRule):
     rules = (rules,)
   rules = tuple(rules)
   for rule in rules:
     _validate.check(
-        isinstance(rule, QuantizationRule), function, "rules",
+        isinstance(rule, QuantizationRule), "rules",
         "a QuantizationRule or a sequence of them", repr(rule), error=TypeError,
     )
-  learnable = _validate.static_bool(function, "learnable", learnable)
+  learnable = _validate.static_bool("learnable", learnable)
 
   def quantize(path, leaf):
     if isinstance(leaf, FakeQuantizedArray):
@@ -331,11 +331,12 @@ def quantize_params(
     rule = _rule_for(rules, path_name(path), leaf)
     if rule is None:
       return leaf
-    return (_learnable if learnable else _quantize)(function, leaf, rule)
+    return (_learnable if learnable else _quantize)(leaf, rule)
 
   return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_container)
 
 
+@_validate.reports_as("dequantize_params")
 def dequantize_params(params: Any) -> Any:
   """Replaces every :class:`QuantizedArray` and :class:`FakeQuantizedArray` by its float value.
 

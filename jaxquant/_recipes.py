@@ -71,27 +71,27 @@ def _squared_error(error, granularity):
   return jnp.sum(jnp.where(jnp.isnan(error), 0, error) ** 2, axis=-1)
 
 
-def _check(function: str, arguments: dict) -> None:
+def _check(arguments: dict) -> None:
   method = arguments["method"]
-  info = _dtypes.quantized_dtype(function, "dtype", arguments["dtype"])
+  info = _dtypes.quantized_dtype("dtype", arguments["dtype"])
   _validate.check(
-      info.bits <= 16, function, "dtype", "a quantized dtype of at most 16 bits",
+      info.bits <= 16, "dtype", "a quantized dtype of at most 16 bits",
       info.name, error=TypeError,
   )
   _validate.check(
-      info.is_integer or method not in ("qmax_plus_half", "minmax"), function, "method",
+      info.is_integer or method not in ("qmax_plus_half", "minmax"), "method",
       f"'absmax', 'percentile' or 'mse' for the float dtype {info.name}", repr(method),
   )
   _validate.check(
-      method != "minmax" or arguments["clip_ratio"] == 1.0, function, "clip_ratio",
+      method != "minmax" or arguments["clip_ratio"] == 1.0, "clip_ratio",
       "1.0 with method='minmax'", arguments["clip_ratio"],
   )
   _validate.check(
-      0 < arguments["clip_ratio"] <= 1, function, "clip_ratio", "in (0, 1]",
+      0 < arguments["clip_ratio"] <= 1, "clip_ratio", "in (0, 1]",
       arguments["clip_ratio"],
   )
   _validate.check(
-      0 < arguments["percentile"] <= 100, function, "percentile", "in (0, 100]",
+      0 < arguments["percentile"] <= 100, "percentile", "in (0, 100]",
       arguments["percentile"],
   )
 
@@ -175,10 +175,9 @@ def choose_qparams(
     >>> jq.choose_qparams(w, jnp.float8_e4m3fn)[0]  # 1.5 / 448
     Array(0.00334821, dtype=float32)
   """
-  function = "choose_qparams"
-  x = _dtypes.float_input(function, "x", jnp.asarray(x))
-  info = _dtypes.quantized_dtype(function, "dtype", dtype)
-  granularity = _granularity.for_reduction(function, x.shape, axis=axis, block_size=block_size)
+  x = _dtypes.float_input("x", jnp.asarray(x))
+  info = _dtypes.quantized_dtype("dtype", dtype)
+  granularity = _granularity.for_reduction(x.shape, axis=axis, block_size=block_size)
   shape = public_shape(granularity, x.shape)
   reduce = functools.partial(_granularity.reduce_blockwise, x=x, granularity=granularity)
 

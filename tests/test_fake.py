@@ -35,7 +35,7 @@ FAKE_FLOAT_DTYPES = FLOAT8_DTYPES + (FLOAT4,)
 
 
 def _info(dtype):
-  return _dtypes.quantized_dtype("test", "dtype", dtype)
+  return _dtypes.quantized_dtype("dtype", dtype)
 
 
 def _inputs(rng, x_shape, scale_shape, axis, block_size, dtype, input_dtype):

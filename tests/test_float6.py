@@ -87,7 +87,7 @@ def _random_codes(rng, shape, dtype):
 
 @pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_table_entry_matches_ml_dtypes(dtype):
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   finfo = ml_dtypes.finfo(dtype)
   assert (info.bits, info.is_integer, info.has_nan, info.as_codes) == (6, False, False, True)
   assert (info.min, info.max) == (float(finfo.min), float(finfo.max))

@@ -72,7 +72,7 @@ def layouts(draw, *, min_rank=0):
 
 
 def _quantized_values(rng, shape, dtype):
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   if info.is_integer:
     return jnp.asarray(rng.integers(info.min, info.max, shape, endpoint=True), dtype)
   values = rng.normal(0, info.max / 8, shape).astype(np.float32)
@@ -98,7 +98,7 @@ def _scale(rng, shape, dtype=jnp.float32):
 
 
 def _zero_point(rng, shape, dtype):
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   if info.is_integer:
     low, high = max(info.min, -100), min(info.max, 100)
     return jnp.asarray(rng.integers(low, high, shape, endpoint=True), dtype)
@@ -160,7 +160,7 @@ def test_packed_kernel_reads_bytes(dtype):
   # A last dim (and blocks along it) that are multiples of 8 // bits keep the
   # bytes packed into the kernel: its input is a uint8 array, not int4/int2.
   # 2-bit codes enter it one per nibble (spread by XLA), half a byte each.
-  bits = _dtypes.quantized_dtype("test", "dtype", dtype).bits
+  bits = _dtypes.quantized_dtype("dtype", dtype).bits
   packed = jnp.zeros((64 * 96 * bits // 8,), jnp.uint8)
   jaxpr = jax.make_jaxpr(functools.partial(
       jq.dequantize_linear, axis=1, block_size=32, packed_shape=(64, 96),
@@ -350,7 +350,7 @@ def _kernel_operands(rng, shape, dtype, scale_shape):
 def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
   rng = np.random.default_rng(1)
   x, scale, zero_point = _kernel_operands(rng, shape, dtype, scale_shape)
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
                                           output_dtype=jnp.bfloat16),
              "output_dtype": np.dtype(jnp.bfloat16)}
@@ -366,7 +366,7 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
 def test_packed_dequantize_kernel(backend, max_block, dtype):
   rng = np.random.default_rng(2)
   x, scale, zero_point = _kernel_operands(rng, (48, 6, 64), dtype, (1, 6, 1))
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   packed = jq.pack(x).reshape(48, 6, 64 * info.bits // 8)
   options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
@@ -390,7 +390,7 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   rng = np.random.default_rng(3)
   scale = _scale(rng, (1, 200))
   x = _float_values(rng, (40, 200), jnp.float32, scale)
-  info = _dtypes.quantized_dtype("test", "dtype", dtype)
+  info = _dtypes.quantized_dtype("dtype", dtype)
   options = {"formula": functools.partial(_linear.quantize_formula, info=info,
                                           precision=np.dtype(np.float32), saturate=True),
              "output_dtype": info.array_dtype}
@@ -407,7 +407,7 @@ def test_quantized_add_kernel(backend, max_block):
   rng = np.random.default_rng(4)
   a = _quantized_values(rng, (9, 1, 130), jnp.int8)
   b = _quantized_values(rng, (40, 1), jnp.uint8)
-  infos = [_dtypes.quantized_dtype("test", "dtype", d) for d in (jnp.int8, jnp.uint8, jnp.int8)]
+  infos = [_dtypes.quantized_dtype("dtype", d) for d in (jnp.int8, jnp.uint8, jnp.int8)]
   options = {"formula": functools.partial(_elementwise._add_formula, a_info=infos[0],
                                           b_info=infos[1], out_info=infos[2]),
              "output_dtype": np.dtype(jnp.int8)}
@@ -429,7 +429,7 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
   shape = (37, 300) if len(keep) == 2 else (7, 70, 33)
   x = _float_values(rng, shape, jnp.float32, 0.01)
   x = jnp.where(jnp.isinf(x), 0, x)
-  info = _dtypes.quantized_dtype("test", "dtype", jnp.uint8)
+  info = _dtypes.quantized_dtype("dtype", jnp.uint8)
   options = {
       "reduction": functools.partial(_dynamic._min_max, keepdims=True),
       "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
@@ -452,7 +452,7 @@ def test_kernels_read_blocked_parameters(backend, columns):
   x = jnp.where(jnp.isinf(x), 0, x)
   count = -(-columns // 16)
   scale = _scale(rng, (8, count))
-  info = _dtypes.quantized_dtype("test", "dtype", jnp.int8)
+  info = _dtypes.quantized_dtype("dtype", jnp.int8)
   formula = functools.partial(_linear.quantize_formula, info=info,
                               precision=np.dtype(np.float32), saturate=True)
   assert_bits_equal(
@@ -521,7 +521,7 @@ def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   # the other tests never make such a width.
   rng = np.random.default_rng(7)
   x = _quantized_values(rng, (size,), jnp.int8)
-  info = _dtypes.quantized_dtype("test", "dtype", jnp.int8)
+  info = _dtypes.quantized_dtype("dtype", jnp.int8)
   options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
              "output_dtype": np.dtype(jnp.float32)}
@@ -569,7 +569,7 @@ def test_decode_nibbles_covers_every_code(dtype):
 
 @pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
 def test_decode_codes_covers_every_packed_code(dtype):
-  bits = _dtypes.quantized_dtype("test", "dtype", dtype).bits
+  bits = _dtypes.quantized_dtype("dtype", dtype).bits
   codes = np.arange(2**bits, dtype=np.uint8)
   unsigned = jnp.uint2 if bits == 2 else jnp.uint4
   expected = np.asarray(jax.lax.bitcast_convert_type(

@@ -322,7 +322,7 @@ def test_every_layout_matches_expanded_scale(implementation, layout, seed):
 
 
 def test_granularity_kinds():
-  resolve = functools.partial(_granularity.resolve, "test")
+  resolve = _granularity.resolve
   assert resolve((4, 6), (), axis=1, block_size=0).kind == "per-tensor"
   assert resolve((4, 6), (1, 1), axis=1, block_size=0).kind == "per-tensor"
   assert resolve((4, 6), (6,), axis=1, block_size=0).kind == "per-axis"

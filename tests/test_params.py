@@ -51,10 +51,10 @@ def test_dequantize_is_quantize_then_dequantize_linear(rule):
   np.testing.assert_array_equal(quantized.dequantize(), expected)
   np.testing.assert_array_equal(quantized.scale, scale)
   assert quantized.packed == (rule.packed and np.dtype(rule.dtype).itemsize == 1
-                              and jq._dtypes.quantized_dtype("", "", rule.dtype).bits < 8)
+                              and jq._dtypes.quantized_dtype("", rule.dtype).bits < 8)
   if quantized.packed:
     assert quantized.values.dtype == jnp.uint8
-    bits = jq._dtypes.quantized_dtype("", "", rule.dtype).bits
+    bits = jq._dtypes.quantized_dtype("", rule.dtype).bits
     assert quantized.values.size == -(-w.size * bits // 8)
 
 
