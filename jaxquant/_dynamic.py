@@ -16,7 +16,7 @@ from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
-from jaxquant import _linear
+from jaxquant import _numerics
 from jaxquant import _validate
 import pallas_kernels
 
@@ -124,11 +124,11 @@ def _asymmetric_parameters(low, high, *, info):
   qmin, qmax = low.dtype.type(info.min), low.dtype.type(info.max)
   low, high = jnp.minimum(low, 0), jnp.maximum(high, 0)
   scale = jnp.where(
-      high == low, low.dtype.type(1), _linear.true_divide(high - low, qmax - qmin)
+      high == low, low.dtype.type(1), _numerics.true_divide(high - low, qmax - qmin)
   )
   # A NaN here (lo = -inf gives -inf / inf) clips to qmax, as std::min/std::max
   # do in onnxruntime and min/max in the ONNX reference.
-  shifted = qmin - _linear.true_divide(low, scale)
+  shifted = qmin - _numerics.true_divide(low, scale)
   zero_point = jnp.round(jnp.where(jnp.isnan(shifted), qmax, jnp.clip(shifted, qmin, qmax)))
   return scale, zero_point.astype(info.dtype)
 
@@ -137,7 +137,7 @@ def _symmetric_parameters(magnitude, *, info):
   """Zero point 0, ``scale = max|x| / qmax`` (1 where x is all zeros)."""
   qmax = magnitude.dtype.type(info.max)
   scale = jnp.where(
-      magnitude == 0, magnitude.dtype.type(1), _linear.true_divide(magnitude, qmax)
+      magnitude == 0, magnitude.dtype.type(1), _numerics.true_divide(magnitude, qmax)
   )
   return scale, jnp.zeros_like(scale, info.dtype)
 
@@ -273,7 +273,7 @@ def dynamic_quantize_linear(
   )
   info, granularity = dynamic.info, dynamic.granularity
   formula = functools.partial(
-      _linear.quantize_formula, info=info, precision=np.dtype(np.float32), saturate=True,
+      _numerics.quantize_formula, info=info, precision=np.dtype(np.float32), saturate=True,
   )
   shape = dynamic.public_shape(x.shape)
 

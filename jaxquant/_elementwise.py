@@ -13,7 +13,8 @@ import numpy as np
 from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
-from jaxquant import _linear
+from jaxquant import _numerics
+from jaxquant import _parameters
 from jaxquant import _validate
 import pallas_kernels
 
@@ -31,7 +32,7 @@ def _operand(name, values, scale, zero_point):
   values = jnp.asarray(values)
   info = _dtypes.quantized_dtype(f"{name}.dtype", values.dtype, integer=True)
   scale = _dtypes.scale_array(f"{name}_scale", scale)
-  zero_point = _linear.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
+  zero_point = _parameters.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
   if zero_point is not None:
     zero_point = _per_tensor(f"{name}_zero_point", zero_point)
   return values, info, _per_tensor(f"{name}_scale", scale), zero_point
@@ -46,7 +47,7 @@ def _add_formula(
     a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point,
     *, a_info, b_info, out_info,
 ):
-  to_float = functools.partial(_linear.dequantize_formula, output_dtype=jnp.float32)
+  to_float = functools.partial(_numerics.dequantize_formula, output_dtype=jnp.float32)
   a_value = to_float(a, a_scale, a_zero_point, info=a_info)
   b_value = to_float(b, b_scale, b_zero_point, info=b_info)
   total = a_value + b_value
@@ -57,7 +58,7 @@ def _add_formula(
   # a NaN test on its bits, which LLVM cannot fold even where it proves the
   # product is never NaN (compile-time constant scales); ``isnan`` it folds.
   total = jnp.where(_is_nan(a_value), a_value, jnp.where(_is_nan(b_value), b_value, total))
-  return _linear.quantize_formula(
+  return _numerics.quantize_formula(
       total, out_scale, out_zero_point,
       info=out_info, precision=np.dtype(np.float32), saturate=True,
   )
@@ -138,14 +139,14 @@ def quantized_add(
     shape = jnp.broadcast_shapes(a.shape, b.shape)
   except ValueError:
     _validate.fail("b.shape", f"broadcastable with a.shape {a.shape}", b.shape)
-  out_info = _linear.quantized_output_dtype(
+  out_info = _parameters.quantized_output_dtype(
       out_zero_point, output_dtype, argument="out_zero_point", default=a.dtype,
       integer=True,
   )
   out_scale = _per_tensor(
       "out_scale", _dtypes.scale_array("out_scale", out_scale)
   )
-  out_zero_point = _linear.zero_point_array(
+  out_zero_point = _parameters.zero_point_array(
       "out_zero_point", out_zero_point, out_info.dtype
   )
   if out_zero_point is not None:

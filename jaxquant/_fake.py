@@ -32,7 +32,8 @@ from jaxquant import _bind
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _granularity
-from jaxquant import _linear
+from jaxquant import _numerics
+from jaxquant import _parameters
 from jaxquant import _validate
 
 Gradient = Literal["masked", "identity", "lsq"]
@@ -73,9 +74,9 @@ def _forward(x, scale, zero_point, quantizer):
   its range) for float ones: the value that saturation clamps.
   """
   info = quantizer.info
-  quotient = _linear.quotient_formula(x, scale, precision=quantizer.precision)
-  quantized = _dtypes.round_and_saturate(quotient, zero_point, info)
-  y = _linear.dequantize_formula(
+  quotient = _numerics.quotient_formula(x, scale, precision=quantizer.precision)
+  quantized = _numerics.round_and_saturate(quotient, zero_point, info)
+  y = _numerics.dequantize_formula(
       quantized, scale, zero_point, info=info, output_dtype=quotient.dtype
   )
   # The order of round_and_saturate: integers round, then add the zero point
@@ -83,7 +84,7 @@ def _forward(x, scale, zero_point, quantizer):
   if info.is_integer:
     quotient = jnp.round(quotient)
   if zero_point is not None:
-    quotient = quotient + _dtypes.values(zero_point, info).astype(quotient.dtype)
+    quotient = quotient + _numerics.values(zero_point, info).astype(quotient.dtype)
   if not info.is_integer:
     quotient = lax.reduce_precision(
         quotient, exponent_bits=jnp.finfo(quotient.dtype).nexp,
@@ -110,7 +111,7 @@ def _fake_quantize_jvp(quantizer, primals, tangents):
   # (a Hessian, an HVP) sees the straight-through one instead of round's 0. It
   # is taken in the wide dtype the forward computes in, which LSQ's scale
   # derivative reads (x's own dtype would round it).
-  wide = _dtypes.compute_dtype(x.dtype)
+  wide = _numerics.compute_dtype(x.dtype)
   y = _fake_quantize(x.astype(wide), scale, zero_point, quantizer)
   if learned:
     zero_point = _rounded_zero_point(zero_point, info)
@@ -276,14 +277,14 @@ def _fake_quantize_op(
   x = _dtypes.float_input("x", jnp.asarray(x))
   scale = _dtypes.scale_array("scale", scale)
   info = _fake_quantized_dtype(dtype, narrow_range=narrow_range)
-  zero_point = _linear.zero_point_array(
+  zero_point = _parameters.zero_point_array(
       "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
   granularity = _granularity.resolve(
       x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  quantizer = _Quantizer(info, _dtypes.division_precision(scale.dtype), gradient)
+  quantizer = _Quantizer(info, _numerics.division_precision(scale.dtype), gradient)
   return _apply(x, scale, zero_point, granularity, quantizer)
 
 
@@ -381,7 +382,7 @@ def fake_quantize_learnable(
       axis=axis, block_size=block_size,
   )
   quantizer = _Quantizer(
-      info, _dtypes.division_precision(scale.dtype), "lsq", float(grad_factor)
+      info, _numerics.division_precision(scale.dtype), "lsq", float(grad_factor)
   )
   return _apply(x, scale, zero_point, granularity, quantizer)
 

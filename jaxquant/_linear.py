@@ -7,99 +7,18 @@ import functools
 import math
 
 import jax
-from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
-import numpy as np
 
 from jaxquant import _bind
 from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
+from jaxquant import _numerics
 from jaxquant import _packing
+from jaxquant import _parameters
 from jaxquant import _validate
 import pallas_kernels
-
-
-def zero_point_array(
-    argument: str,
-    zero_point: ArrayLike | None,
-    dtype: np.dtype,
-    *,
-    host_dtype: np.dtype | None = None,
-) -> jax.Array | None:
-  """``zero_point`` as an array of ``dtype``; a Python number takes ``dtype``.
-
-  For a dtype XLA lacks (float6) the array holds codes: a Python number is
-  rounded to ``dtype`` as quantize rounds, and uint8 codes pass through.
-
-  Args:
-    argument: the argument's name, for the message.
-    zero_point: the zero point, or ``None``.
-    dtype: the quantized dtype.
-    host_dtype: the dtype of a NumPy zero point already turned into codes by
-      :func:`_dtypes.host_codes`, else ``None``.
-
-  Raises:
-    TypeError: if an array zero point has a dtype other than ``dtype`` (or,
-      for float6, its uint8 codes), or a Python float is given for an integer
-      ``dtype`` (it would be truncated).
-  """
-  if zero_point is None:
-    return None
-  info = _dtypes.quantized_dtype(argument, dtype)
-  zero_point = jnp.asarray(zero_point)
-  if host_dtype is None and zero_point.weak_type:
-    _validate.check(
-        not (info.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)),
-        argument, f"an integer for the integer dtype {info.name}",
-        "a Python float", error=TypeError,
-    )
-    if info.as_codes:
-      # XLA cannot cast to float6: round the number as quantize would.
-      return _dtypes.round_and_saturate(zero_point.astype(jnp.float32), None, info)
-    return zero_point.astype(dtype)
-  got = zero_point.dtype if host_dtype is None else host_dtype
-  given_as_codes = info.as_codes and host_dtype is None and got == jnp.uint8
-  _validate.check(
-      got == info.dtype or given_as_codes, f"{argument}.dtype",
-      f"{info.name} (the quantized dtype){' or its uint8 codes' if info.as_codes else ''}",
-      got.name, error=TypeError,
-  )
-  return _packing.from_codes(zero_point, info) if info.as_codes else zero_point
-
-
-def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x / scale`` rounded once, as IEEE division.
-
-  XLA rewrites division by a broadcast operand into multiplication by its
-  reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
-  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor
-  that depends on x element-wise is no broadcast, so it stays a true
-  division; swapping in x where x is NaN leaves every quotient unchanged (NaN
-  either way) and costs one select in the fusion.
-
-  When x is a compile-time constant (a weight closed over by ``jit``), XLA
-  would fold ``isnan(x)`` and the select away, leaving the broadcast divisor
-  it rewrites. The optimization barrier keeps the guard opaque to the
-  simplifier; XLA drops the barrier after simplification, so the compiled
-  program is the same single fusion as for a traced x.
-  """
-  return x / jnp.where(jnp.isnan(lax.optimization_barrier(x)), x, scale)
-
-
-def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
-  x = _dtypes.values(x, info)
-  if zero_point is not None:
-    zero_point = _dtypes.values(zero_point, info)
-    if info.is_integer:
-      # int32 holds every difference of <= 16-bit types exactly; 32-bit types
-      # wrap around in their own width, as onnxruntime does.
-      wide = jnp.int32 if info.bits < 32 else info.dtype
-      x = x.astype(wide) - zero_point.astype(wide)
-    else:
-      x = x.astype(jnp.float32) - zero_point.astype(jnp.float32)
-  return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(output_dtype)
 
 
 def _check_dequantize(arguments: dict) -> None:
@@ -254,7 +173,7 @@ def _dequantize_linear(
   else:
     info = _dtypes.quantized_dtype("x.dtype", x.dtype)
   scale = _dtypes.scale_array("scale", scale)
-  zero_point = zero_point_array(
+  zero_point = _parameters.zero_point_array(
       "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
   if output_dtype is None:
@@ -266,7 +185,7 @@ def _dequantize_linear(
       shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  formula = functools.partial(dequantize_formula, info=info, output_dtype=output_dtype)
+  formula = functools.partial(_numerics.dequantize_formula, info=info, output_dtype=output_dtype)
   # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
   use_kernel = _dispatch.select("dequantize_linear", implementation) == "pallas" and math.prod(shape) > 0
   # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
@@ -302,29 +221,6 @@ def _dequantize_linear(
   return _dispatch.with_xla_derivatives(
       kernel, xla, platforms=_dispatch.kernel_platforms("dequantize_linear", implementation))(
       x, scale, zero_point)
-
-
-def quotient_formula(x, scale, *, precision):
-  """``x / scale`` as quantization divides: x, scale and quotient rounded to ``precision``.
-
-  ``x`` is float, or int32 (requantized accumulators), rounded once to ``precision``.
-  """
-  # A narrower precision is emulated: operands and quotient rounded to it,
-  # the division itself done wider. For float16 and bfloat16 that is exact:
-  # float32 has more than 2p + 2 significant bits, so the double rounding of
-  # a quotient is innocuous (Figueroa 1995).
-  accumulate = _dtypes.compute_dtype(x.dtype, precision)
-  if jnp.issubdtype(x.dtype, jnp.integer):
-    x = _dtypes.int32_to_float(x, accumulate, precision)
-  else:
-    x = _dtypes.round_to(x.astype(accumulate), precision)
-  scale = _dtypes.round_to(scale.astype(accumulate), precision)
-  return _dtypes.round_to(true_divide(x, scale), precision)
-
-
-def quantize_formula(x, scale, zero_point, *, info, precision, saturate, codes=False):
-  quotient = quotient_formula(x, scale, precision=precision)
-  return _dtypes.round_and_saturate(quotient, zero_point, info, saturate=saturate, codes=codes)
 
 
 def _lane_params(params, granularity, per_byte):
@@ -377,40 +273,6 @@ def _packed_quantize(formula, x, params, granularity, bits):
     codes = _granularity.apply_blockwise(formula, x_k, params_k, lane_granularity)
     packed = codes if packed is None else packed | (codes << (bits * k))
   return packed.reshape(-1)
-
-
-def quantized_output_dtype(
-    zero_point: ArrayLike | None,
-    output_dtype: DTypeLike | None,
-    *,
-    argument: str = "zero_point",
-    default: DTypeLike = jnp.uint8,
-    integer: bool = False,
-    zero_point_dtype: np.dtype | None = None,
-) -> _dtypes.QuantizedDType:
-  """The zero point's dtype, else ``output_dtype``, else ``default``; a conflict is an error.
-
-  ``zero_point_dtype`` is the dtype of a NumPy zero point that
-  :func:`_dtypes.host_codes` turned into codes (float6).
-  """
-  if zero_point_dtype is None and zero_point is not None:
-    if not jnp.asarray(zero_point).weak_type:
-      zero_point_dtype = jnp.asarray(zero_point).dtype
-  if zero_point_dtype is not None:
-    info = _dtypes.quantized_dtype(
-        f"{argument}.dtype", zero_point_dtype, integer=integer
-    )
-    if output_dtype is not None:
-      _dtypes.quantized_dtype("output_dtype", output_dtype, integer=integer)
-      _validate.check(
-          np.dtype(output_dtype) == info.dtype, "output_dtype",
-          f"None or {argument}'s dtype {info.name}", np.dtype(output_dtype).name,
-      )
-    return info
-  return _dtypes.quantized_dtype(
-      "output_dtype", default if output_dtype is None else output_dtype,
-      integer=integer,
-  )
 
 
 def _check_quantize(arguments: dict) -> None:
@@ -536,24 +398,23 @@ def _quantize_linear(
   if x.dtype != jnp.int32:
     x = _dtypes.float_input("x", x, also="int32")
   scale = _dtypes.scale_array("scale", scale)
-  info = quantized_output_dtype(
+  info = _parameters.quantized_output_dtype(
       zero_point, output_dtype, zero_point_dtype=zero_point_dtype
   )
   _validate.check(
       not packed or info.bits < 8, "packed",
       f"False for {info.name} (only sub-byte dtypes pack)", packed,
   )
-  zero_point = zero_point_array(
+  zero_point = _parameters.zero_point_array(
       "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
   )
-  precision = (_dtypes.division_precision(scale.dtype) if precision is None
+  precision = (_numerics.division_precision(scale.dtype) if precision is None
                else _dtypes.float_dtype("precision", precision))
   granularity = _granularity.resolve(
       x.shape, scale.shape, None if zero_point is None else zero_point.shape,
       axis=axis, block_size=block_size,
   )
-  formula = functools.partial(
-      quantize_formula, info=info, precision=precision, saturate=saturate
+  formula = functools.partial(_numerics.quantize_formula, info=info, precision=precision, saturate=saturate
   )
 
   def xla(x, scale, zero_point):

@@ -21,6 +21,8 @@ from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _fake
 from jaxquant import _linear
+from jaxquant import _numerics
+from jaxquant import _parameters
 from jaxquant import _validate
 import pallas_kernels
 
@@ -241,7 +243,7 @@ def _operand(name, x, zero_point):
       info.bits <= 16, f"{name}.dtype", "an integer dtype of at most 16 bits",
       info.name, error=TypeError,
   )
-  return x, info, _linear.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
+  return x, info, _parameters.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
 
 
 def _check_dimensions(lhs_shape, rhs_shape, dimension_numbers):
@@ -447,7 +449,7 @@ def _fake_quantized_dot(lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point,
         f"given for a float {name} (it is quantized with it)", None, error=TypeError,
     )
     # The zero point's dtype, int8 for none or a Python int, as quantize_linear reads it.
-    info = _linear.quantized_output_dtype(
+    info = _parameters.quantized_output_dtype(
         zero_point, None, argument=f"{name}_zero_point", default=_INT8, integer=True)
     operands.append((x, jnp.asarray(scale), zero_point, info.dtype))
   (lhs, lhs_scale, lhs_zero_point, lhs_dtype), (rhs, rhs_scale, rhs_zero_point, rhs_dtype) = (
@@ -548,8 +550,8 @@ def _per_row(argument, value, operand_ndim, *, rows: bool):
 
 def _onnx_zero_points(a, b, a_zero_point, b_zero_point):
   """Zero points as the operands' dtype (a Python int takes it), in operand rank."""
-  a_zero_point = _linear.zero_point_array("a_zero_point", a_zero_point, a.dtype)
-  b_zero_point = _linear.zero_point_array("b_zero_point", b_zero_point, b.dtype)
+  a_zero_point = _parameters.zero_point_array("a_zero_point", a_zero_point, a.dtype)
+  b_zero_point = _parameters.zero_point_array("b_zero_point", b_zero_point, b.dtype)
   return (_per_row("a_zero_point", a_zero_point, a.ndim, rows=True),
           _per_row("b_zero_point", b_zero_point, b.ndim, rows=False))
 
@@ -683,7 +685,7 @@ def qlinear_matmul(
   """
   a2, b2, dimension_numbers, shape = _matmul_operands(a, b)
   a_info = _dtypes.quantized_dtype("a.dtype", a2.dtype, integer=True)
-  out_info = _linear.quantized_output_dtype(
+  out_info = _parameters.quantized_output_dtype(
       y_zero_point, output_dtype, argument="y_zero_point", default=a_info.dtype,
       integer=True,
   )
@@ -693,7 +695,7 @@ def qlinear_matmul(
   b_scale = _per_row("b_scale", _dtypes.scale_array("b_scale", b_scale),
                      b2.ndim, rows=False)
   y_scale = _dtypes.scale_array("y_scale", y_scale)
-  y_zero_point = _linear.zero_point_array("y_zero_point", y_zero_point, out_info.dtype)
+  y_zero_point = _parameters.zero_point_array("y_zero_point", y_zero_point, out_info.dtype)
   for name, value in [("y_scale", y_scale), ("y_zero_point", y_zero_point)]:
     _validate.check(
         value is None or value.size == 1, f"{name}.shape",
@@ -713,7 +715,7 @@ def qlinear_matmul(
           lhs_side.free))
   ) / y_scale.astype(jnp.float32).reshape(())
   value = accumulator.astype(jnp.float32) * multiplier
-  y = _dtypes.round_and_saturate(
+  y = _numerics.round_and_saturate(
       value, None if y_zero_point is None else y_zero_point.reshape(()), out_info)
   return y.reshape(shape)
 
@@ -809,7 +811,7 @@ def nbits_weight(packed, scales, zero_points, *, K, bits, block_size):
   # Whole blocks: dequantize_linear's formula on an (N, blocks, block_size)
   # view, the same element-wise arithmetic in one fusion.
   info = _dtypes.quantized_dtype("bits", dtype)
-  weight = _linear.dequantize_formula(
+  weight = _numerics.dequantize_formula(
       codes.reshape(n, blocks, block_size), scales[:, :, None], zero_points[:, :, None],
       info=info, output_dtype=jnp.float32,
   )
@@ -832,7 +834,7 @@ def _nbits_xla(a, packed, scales, zero_points, *, K, bits, block_size):
 def _nbits_kernel(a, packed, scales, zero_points, *, K, bits, block_size):
   """The fused kernel on MatMulNBits' own layout: packed rows, per-block scales and codes."""
   formula = functools.partial(
-      _linear.dequantize_formula,
+      _numerics.dequantize_formula,
       info=_dtypes.quantized_dtype("bits", _NBITS_DTYPES[bits]),
       output_dtype=jnp.float32,
   )

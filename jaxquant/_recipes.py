@@ -15,7 +15,7 @@ from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _fake
 from jaxquant import _granularity
-from jaxquant import _linear
+from jaxquant import _numerics
 from jaxquant import _validate
 
 Method = Literal["absmax", "qmax_plus_half", "minmax", "percentile", "mse"]
@@ -36,7 +36,7 @@ def public_shape(granularity: _granularity.Granularity, x_shape: tuple[int, ...]
 def _magnitude_scale(magnitude, denominator):
   """``magnitude / denominator``, 1 where the magnitude is 0 (an all-zero block)."""
   return jnp.where(
-      magnitude == 0, np.float32(1), _linear.true_divide(magnitude, np.float32(denominator))
+      magnitude == 0, np.float32(1), _numerics.true_divide(magnitude, np.float32(denominator))
   )
 
 

@@ -23,7 +23,7 @@ from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _elementwise
-from jaxquant import _linear
+from jaxquant import _numerics
 import pallas_kernels
 from pallas_kernels import _exact
 from pallas_kernels import _tiling
@@ -351,7 +351,7 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
   rng = np.random.default_rng(1)
   x, scale, zero_point = _kernel_operands(rng, shape, dtype, scale_shape)
   info = _dtypes.quantized_dtype("dtype", dtype)
-  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+  options = {"formula": functools.partial(_numerics.dequantize_formula, info=info,
                                           output_dtype=jnp.bfloat16),
              "output_dtype": np.dtype(jnp.bfloat16)}
   assert_bits_equal(
@@ -368,7 +368,7 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
   x, scale, zero_point = _kernel_operands(rng, (48, 6, 64), dtype, (1, 6, 1))
   info = _dtypes.quantized_dtype("dtype", dtype)
   packed = jq.pack(x).reshape(48, 6, 64 * info.bits // 8)
-  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+  options = {"formula": functools.partial(_numerics.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
              "output_dtype": np.dtype(jnp.float32), "packed_dtype": np.dtype(dtype)}
   expected = pallas_kernels.dequantize_reference(packed, scale, zero_point, **options)
@@ -391,7 +391,7 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   scale = _scale(rng, (1, 200))
   x = _float_values(rng, (40, 200), jnp.float32, scale)
   info = _dtypes.quantized_dtype("dtype", dtype)
-  options = {"formula": functools.partial(_linear.quantize_formula, info=info,
+  options = {"formula": functools.partial(_numerics.quantize_formula, info=info,
                                           precision=np.dtype(np.float32), saturate=True),
              "output_dtype": info.array_dtype}
   assert_bits_equal(
@@ -433,7 +433,7 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
   options = {
       "reduction": functools.partial(_dynamic._min_max, keepdims=True),
       "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
-      "formula": functools.partial(_linear.quantize_formula, info=info,
+      "formula": functools.partial(_numerics.quantize_formula, info=info,
                                    precision=np.dtype(np.float32), saturate=True),
       "output_dtype": info.dtype,
   }
@@ -453,7 +453,7 @@ def test_kernels_read_blocked_parameters(backend, columns):
   count = -(-columns // 16)
   scale = _scale(rng, (8, count))
   info = _dtypes.quantized_dtype("dtype", jnp.int8)
-  formula = functools.partial(_linear.quantize_formula, info=info,
+  formula = functools.partial(_numerics.quantize_formula, info=info,
                               precision=np.dtype(np.float32), saturate=True)
   assert_bits_equal(
       pallas_kernels.quantize(x, scale, None, formula=formula, output_dtype=info.dtype,
@@ -522,7 +522,7 @@ def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   rng = np.random.default_rng(7)
   x = _quantized_values(rng, (size,), jnp.int8)
   info = _dtypes.quantized_dtype("dtype", jnp.int8)
-  options = {"formula": functools.partial(_linear.dequantize_formula, info=info,
+  options = {"formula": functools.partial(_numerics.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
              "output_dtype": np.dtype(jnp.float32)}
   scale = jnp.float32(0.5).reshape(1)

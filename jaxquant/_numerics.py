@@ -1,0 +1,261 @@
+"""The numerics of quantization, in one place: division, rounding, saturation, the formulas.
+
+docs/numerics.md states each rule; :mod:`jaxquant._dtypes` is the table of
+dtypes they consult. Every op and every Pallas kernel evaluates these
+formulas (a kernel is handed the formula; it never imports jaxquant).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import _dtypes
+from jaxquant._dtypes import QuantizedDType
+from pallas_kernels.dequantize import decode_codes
+
+
+def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
+  """``x`` as numbers: float32 values for codes (``info.as_codes``), else ``x`` itself."""
+  return decode_codes(x, info.dtype) if info.as_codes else x
+
+
+def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Rounds float ``x`` to ``dtype``'s precision and range, keeping x's dtype."""
+  info, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
+  if info.nmant >= wide.nmant:
+    return x
+  if info.nexp == wide.nexp:
+    # bfloat16 from float32: XLA may drop a cast down and back up (it allows
+    # excess precision by default) but keeps reduce_precision, which agrees
+    # with the cast here because the exponent ranges, subnormals included, match.
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  # reduce_precision flushes the narrower type's subnormals; the cast keeps them.
+  return x.astype(dtype).astype(x.dtype)
+
+
+def division_precision(scale_dtype: Any) -> np.dtype:
+  """The dtype ONNX divides in by default: the scale's (float32 for float8_e8m0fnu).
+
+  A float8_e8m0fnu scale is a power of two, so float32 divides by it exactly.
+  """
+  scale_dtype = np.dtype(scale_dtype)
+  return scale_dtype if scale_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+
+
+def int32_to_float(x: jax.Array, dtype: np.dtype, precision: np.dtype) -> jax.Array:
+  """int32 ``x`` as float ``dtype``, rounded once (to nearest even) to ``precision``.
+
+  XLA converts int32 to a narrow float through float32, rounding twice, which
+  can land on a tie of the narrow type and break it the wrong way. Rounding to
+  float32 *to odd* first keeps the second rounding exact, as float32 has more
+  than ``p + 2`` significant bits for float16 and bfloat16 (Boldo and
+  Melquiond 2008).
+  """
+  wide = jnp.finfo(dtype)
+  if jnp.finfo(precision).nmant >= wide.nmant or wide.nmant >= 31:
+    # One rounding (float32 precision), or none (float64 holds every int32).
+    return round_to(x.astype(dtype), precision)
+  magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.uint32)  # |int32 min| fits uint32
+  bit_length = 32 - lax.clz(magnitude).astype(jnp.int32)
+  dropped = jnp.maximum(bit_length - (wide.nmant + 1), 0).astype(jnp.uint32)
+  kept = magnitude >> dropped
+  sticky = (magnitude & ((jnp.uint32(1) << dropped) - 1)) != 0
+  odd = kept | sticky.astype(jnp.uint32)
+  # 2**dropped built from its exponent bits: exact, unlike a library exp2.
+  power = lax.bitcast_convert_type((dropped + 127) << 23, jnp.float32)
+  value = odd.astype(jnp.float32) * power
+  return round_to(jnp.where(x < 0, -value, value), precision)
+
+
+def compute_dtype(*dtypes: Any) -> np.dtype:
+  """The float dtype in which quantization arithmetic runs: float32, or float64 under x64."""
+  return np.dtype(jnp.result_type(jnp.float32, *(
+      d for d in dtypes if jnp.issubdtype(d, jnp.floating) and np.dtype(d).itemsize > 4
+  )))
+
+
+def _add_zero_point_32bit(
+    rounded: jax.Array, zero_point: jax.Array, info: QuantizedDType
+) -> jax.Array:
+  """``saturate(rounded + zero_point)`` for 32-bit outputs, without rounding the sum.
+
+  Neither float32 nor int32 holds the 33-bit sum, so it is formed from 16-bit
+  halves: ``rounded = hi * 2**16 + lo`` with ``0 <= lo < 2**16``.
+  """
+  half = 2.0**16
+  # Beyond +-2**32 every zero point of the type leaves the sum out of range.
+  rounded = jnp.clip(rounded, -(2.0**32), 2.0**32)
+  rounded_hi = jnp.floor(rounded / half)
+  rounded_lo = (rounded - rounded_hi * half).astype(jnp.int32)
+  zero_point = zero_point.astype(info.dtype)
+  zero_point_hi = jnp.right_shift(zero_point, 16)  # arithmetic for int32, logical for uint32
+  zero_point_lo = (zero_point & info.dtype.type(0xFFFF)).astype(jnp.int32)
+  sum_lo = rounded_lo + zero_point_lo
+  sum_hi = (
+      rounded_hi.astype(jnp.int32) + zero_point_hi.astype(jnp.int32)
+      + lax.shift_right_logical(sum_lo, jnp.int32(16))
+  )
+  sum_lo = (sum_lo & 0xFFFF).astype(info.dtype)
+  value = lax.shift_left(sum_hi.astype(info.dtype), info.dtype.type(16)) | sum_lo
+  return jnp.where(
+      sum_hi > (info.max >> 16), info.dtype.type(info.max),
+      jnp.where(sum_hi < (info.min >> 16), info.dtype.type(info.min), value),
+  )
+
+
+def _encode(value: jax.Array, info: QuantizedDType) -> jax.Array:
+  """The code of ``value`` rounded to nearest even on ``info``'s grid, saturated.
+
+  NaN gives +max (as float4's Cast table), +-inf and overflow +-max, -0.0 the
+  -0.0 code. Within the binade ``[2**e, 2**(e+1))`` the grid steps by
+  ``q = 2**(e - p)`` (below the smallest normal, by the subnormal step), so
+  ``round(|v| / q)`` counts steps, and the code is that count plus
+  ``2**p`` per binade below: a count that rounds up to the next binade lands
+  on its first code, so no carry needs handling. Dividing by ``q`` is a
+  multiplication by a power of two, exact in float32 and float64 alike.
+  """
+  finfo = jnp.finfo(info.dtype)
+  mantissa_bits, low = finfo.nmant, finfo.minexp  # the smallest normal is 2**low
+  value = jnp.where(jnp.isnan(value), info.max, value)
+  magnitude = jnp.minimum(jnp.abs(value), info.max)
+  steps = magnitude * 2.0 ** (mantissa_bits - low)
+  offset = jnp.zeros(value.shape, jnp.int32)
+  for exponent in range(low + 1, finfo.maxexp):
+    above = magnitude >= 2.0**exponent
+    steps = jnp.where(above, magnitude * 2.0 ** (mantissa_bits - exponent), steps)
+    offset = jnp.where(above, (exponent - low) << mantissa_bits, offset)
+  code = jnp.round(steps).astype(jnp.int32) + offset
+  sign = jnp.signbit(value).astype(jnp.int32) << (info.bits - 1)
+  return (code | sign).astype(jnp.uint8)
+
+
+def round_and_saturate(
+    quotient: jax.Array,
+    zero_point: jax.Array | None,
+    info: QuantizedDType,
+    *,
+    saturate: bool = True,
+    codes: bool = False,
+) -> jax.Array:
+  """``saturate(round_half_to_even(quotient) + zero_point)`` as ``info.dtype``.
+
+  The rules are docs/numerics.md's "Special values".
+  Integers: NaN -> ``min``, +-inf and overflow clamp to the range, the clamp is
+  done in float before the cast because XLA's cast maps NaN to 0. Floats: the
+  dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
+  (XLA's float8 cast does not), NaN stays NaN, or becomes +max in a dtype
+  without NaN (ONNX's float4 cast table; XLA's cast would give -0). float6,
+  which XLA cannot cast to, is rounded and saturated by arithmetic (the same
+  rules as float4) and returned as uint8 codes.
+
+  Args:
+    quotient: ``x / scale`` in float32 (or float64), broadcast against ``zero_point``.
+    zero_point: in ``info.array_dtype`` (codes for float6), or ``None`` for 0.
+    info: the target dtype's table entry.
+    saturate: float8 only: clip to the finite range instead of overflowing.
+    codes: sub-byte dtypes only: return the uint8 codes (bit patterns) of the
+      result instead of an array of ``info.dtype``, never converting to a
+      sub-byte type: XLA:CPU converts to int4 about 40 times slower than to
+      int8 (benchmarks/run.py), and the codes are what packing needs.
+
+  Returns:
+    An array of ``info.array_dtype`` (``info.dtype``, or uint8 codes for
+    float6), or uint8 codes with ``codes``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxquant import _dtypes
+    >>> info = _dtypes.quantized_dtype("dtype", jnp.float6_e2m3fn)
+    >>> round_and_saturate(jnp.array([1.0625, 1.1875, -0.0, 9.0, jnp.nan]),
+    ...                            None, info)  # 1.0, 1.25, -0.0, 7.5, 7.5
+    Array([ 8, 10, 32, 31, 31], dtype=uint8)
+  """
+  if not info.is_integer:
+    if zero_point is not None:
+      # Adding a zero point of +0 would turn a -0 quotient into +0.
+      zero_point = values(zero_point, info).astype(quotient.dtype)
+      quotient = jnp.where(zero_point == 0, quotient, quotient + zero_point)
+    if info.as_codes or codes:
+      return _encode(quotient, info)
+    if saturate:
+      quotient = jnp.clip(quotient, info.min, info.max)
+    if not info.has_nan:
+      quotient = jnp.where(jnp.isnan(quotient), info.max, quotient)
+    return quotient.astype(info.dtype)
+
+  rounded = jnp.round(quotient)
+  # int8 holds every sub-byte integer; its two's complement low bits are the codes.
+  storage = np.dtype(np.int8) if codes else info.dtype
+  if info.bits == 32:
+    if zero_point is None:
+      zero_point = jnp.zeros((), info.dtype)
+    result = _add_zero_point_32bit(rounded, zero_point, info)
+  else:
+    if zero_point is not None:
+      rounded = rounded + zero_point.astype(rounded.dtype)
+    result = jnp.clip(rounded, info.min, info.max).astype(storage)
+  result = jnp.where(jnp.isnan(rounded), storage.type(info.min), result)
+  if codes:
+    return result.astype(jnp.uint8) & jnp.uint8((1 << info.bits) - 1)
+  return result
+
+
+def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """``x / scale`` rounded once, as IEEE division.
+
+  XLA rewrites division by a broadcast operand into multiplication by its
+  reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
+  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor
+  that depends on x element-wise is no broadcast, so it stays a true
+  division; swapping in x where x is NaN leaves every quotient unchanged (NaN
+  either way) and costs one select in the fusion.
+
+  When x is a compile-time constant (a weight closed over by ``jit``), XLA
+  would fold ``isnan(x)`` and the select away, leaving the broadcast divisor
+  it rewrites. The optimization barrier keeps the guard opaque to the
+  simplifier; XLA drops the barrier after simplification, so the compiled
+  program is the same single fusion as for a traced x.
+  """
+  return x / jnp.where(jnp.isnan(lax.optimization_barrier(x)), x, scale)
+
+
+def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
+  x = values(x, info)
+  if zero_point is not None:
+    zero_point = values(zero_point, info)
+    if info.is_integer:
+      # int32 holds every difference of <= 16-bit types exactly; 32-bit types
+      # wrap around in their own width, as onnxruntime does.
+      wide = jnp.int32 if info.bits < 32 else info.dtype
+      x = x.astype(wide) - zero_point.astype(wide)
+    else:
+      x = x.astype(jnp.float32) - zero_point.astype(jnp.float32)
+  return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(output_dtype)
+
+
+def quotient_formula(x, scale, *, precision):
+  """``x / scale`` as quantization divides: x, scale and quotient rounded to ``precision``.
+
+  ``x`` is float, or int32 (requantized accumulators), rounded once to ``precision``.
+  """
+  # A narrower precision is emulated: operands and quotient rounded to it,
+  # the division itself done wider. For float16 and bfloat16 that is exact:
+  # float32 has more than 2p + 2 significant bits, so the double rounding of
+  # a quotient is innocuous (Figueroa 1995).
+  accumulate = compute_dtype(x.dtype, precision)
+  if jnp.issubdtype(x.dtype, jnp.integer):
+    x = int32_to_float(x, accumulate, precision)
+  else:
+    x = round_to(x.astype(accumulate), precision)
+  scale = round_to(scale.astype(accumulate), precision)
+  return round_to(true_divide(x, scale), precision)
+
+
+def quantize_formula(x, scale, zero_point, *, info, precision, saturate, codes=False):
+  quotient = quotient_formula(x, scale, precision=precision)
+  return round_and_saturate(quotient, zero_point, info, saturate=saturate, codes=codes)
