@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,38 +14,80 @@ from pallas_kernels import _platforms
 
 IMPLEMENTATIONS = (None, "xla", "pallas")
 
-# Per platform (as lowered: "cpu", "cuda", "rocm", "tpu"), the ops whose
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+  """What chooses an op's evaluation: the op, its quantized dtype and its layout.
+
+  In a :data:`PALLAS_FASTER` entry, ``None`` for the dtype or the layout
+  matches any.
+
+  Attributes:
+    op: the public op's name.
+    dtype: the quantized dtype's name (``"int8"``, ``"int4"``, ...).
+    layout: the parameters' granularity kind (``"per-tensor"``, ``"blocked"``, ...).
+  """
+
+  op: str
+  dtype: str | None = None
+  layout: str | None = None
+
+  def covers(self, call: Route) -> bool:
+    """Whether this entry applies to ``call``."""
+    return (self.op == call.op and self.dtype in (None, call.dtype)
+            and self.layout in (None, call.layout))
+
+
+# Per platform (as lowered: "cpu", "cuda", "rocm", "tpu"), the routes whose
 # Pallas kernel was measured faster than XLA there (benchmarks/kernels.py).
 # Only these are picked by ``implementation=None``, and only on that platform:
 # the choice is made when the program is lowered, so one exported program runs
 # the kernel where it was measured faster and XLA elsewhere.
 # Empty: no kernel has yet been timed on a GPU or TPU, and on CPU the kernels
 # run in interpret mode, orders of magnitude slower than XLA.
-PALLAS_FASTER: dict[str, frozenset[str]] = {}
+PALLAS_FASTER: dict[str, frozenset[Route]] = {}
 
 
-def kernel_platforms(op: str, implementation: str | None) -> frozenset[str] | None:
-  """Where ``op`` runs its kernel: ``None`` on every platform, else these.
+def kernel_platforms(call: Route, implementation: str | None) -> frozenset[str] | None:
+  """Where ``call`` runs its kernel: ``None`` on every platform, else these.
 
   ``"pallas"`` runs the kernel everywhere; ``None``, on the platforms where
-  :data:`PALLAS_FASTER` lists ``op`` (possibly none); ``"xla"``, nowhere.
+  an entry of :data:`PALLAS_FASTER` covers ``call`` (possibly none);
+  ``"xla"``, nowhere. ``implementation`` was checked when the op's call was
+  bound (``_bind.IMPLEMENTATION``).
   """
   if implementation == "pallas":
     return None
   if implementation == "xla":
     return frozenset()
-  return frozenset(p for p, faster in PALLAS_FASTER.items() if op in faster)
+  return frozenset(
+      platform for platform, routes in PALLAS_FASTER.items()
+      if any(route.covers(call) for route in routes))
 
 
-def select(op: str, implementation: str | None) -> str:
-  """Whether ``op``'s program holds its kernel: ``"pallas"``, else ``"xla"``.
+def runs_kernel(call: Route, implementation: str | None) -> bool:
+  """Whether ``call``'s program holds its kernel (for at least one platform)."""
+  return kernel_platforms(call, implementation) != frozenset()
 
-  ``"pallas"`` where the kernel runs on some platform (:func:`kernel_platforms`);
-  :func:`with_xla_derivatives` then picks it, or XLA, per platform when the
-  program is lowered. ``implementation`` was checked when the op's call was
-  bound (``_bind.IMPLEMENTATION``).
+
+def evaluate(
+    call: Route,
+    implementation: str | None,
+    xla: Callable[..., Any],
+    kernel: Callable[..., Any] | None,
+    *args: Any,
+) -> Any:
+  """An op's evaluation: ``xla(*args)``, or ``kernel(*args)`` where it is chosen.
+
+  The kernel runs on the platforms :func:`kernel_platforms` gives, decided
+  when the program is lowered, with ``xla``'s derivatives
+  (:func:`with_xla_derivatives`); ``xla`` everywhere else. ``kernel=None``
+  says the call has no kernel evaluation (an empty x), so XLA's runs.
   """
-  return "pallas" if kernel_platforms(op, implementation) != frozenset() else "xla"
+  platforms = kernel_platforms(call, implementation)
+  if kernel is None or platforms == frozenset():
+    return xla(*args)
+  return with_xla_derivatives(kernel, xla, platforms=platforms)(*args)
 
 
 def with_xla_derivatives(

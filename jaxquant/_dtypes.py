@@ -205,6 +205,12 @@ def scale_array(argument: str, scale: Any) -> jax.Array:
   return scale
 
 
+def scale_float_dtype(scale_dtype: Any) -> np.dtype:
+  """The float dtype a scale computes in: its own, float32 for float8_e8m0fnu."""
+  scale_dtype = np.dtype(scale_dtype)
+  return scale_dtype if scale_dtype in OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+
+
 def float_dtype(argument: str, dtype: Any) -> np.dtype:
   """Checks that ``dtype`` is a float dtype an op may return or compute in."""
   _validate.check(

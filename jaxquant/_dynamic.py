@@ -279,9 +279,7 @@ def dynamic_quantize_linear(
 
   def xla(x):
     scale, zero_point = dynamic.scale_and_zero_point(x)
-    y = _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity
-    )
+    y = _granularity.apply_blockwise(formula, x, [scale, zero_point], granularity)
     return y, scale.reshape(shape), zero_point.reshape(shape)
 
   def kernel(x):
@@ -293,7 +291,6 @@ def dynamic_quantize_linear(
     )
     return y, scale.reshape(shape), zero_point.reshape(shape)
 
-  if _dispatch.select("dynamic_quantize_linear", implementation) == "pallas" and x.size:
-    return _dispatch.with_xla_derivatives(
-        kernel, xla, platforms=_dispatch.kernel_platforms("dynamic_quantize_linear", implementation))(x)
-  return xla(x)
+  return _dispatch.evaluate(
+      _dispatch.Route("dynamic_quantize_linear", info.name, granularity.kind),
+      implementation, xla, kernel if x.size else None, x)

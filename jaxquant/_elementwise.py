@@ -157,14 +157,11 @@ def quantized_add(
   def xla(a, b, parameters):
     return jnp.broadcast_to(formula(a, b, *parameters), shape)
 
-  if _dispatch.select("quantized_add", implementation) != "pallas":
-    return xla(a, b, parameters)
-
   def kernel(a, b, parameters):
     return pallas_kernels.quantized_add(
         a, b, parameters, formula=formula, output_dtype=out_info.dtype
     )
 
-  return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms("quantized_add", implementation))(
-      a, b, parameters)
+  return _dispatch.evaluate(
+      _dispatch.Route("quantized_add", out_info.name, "per-tensor"),
+      implementation, xla, kernel, a, b, parameters)

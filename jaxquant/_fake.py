@@ -31,7 +31,6 @@ import numpy as np
 from jaxquant import _bind
 from jaxquant import _dtypes
 from jaxquant import _dynamic
-from jaxquant import _granularity
 from jaxquant import _numerics
 from jaxquant import _parameters
 from jaxquant import _validate
@@ -166,11 +165,9 @@ def _fake_quantized_dtype(
   return dataclasses.replace(info, min=info.min + 1)
 
 
-def _apply(x, scale, zero_point, granularity, quantizer):
-  return _granularity.apply_blockwise(
-      lambda x, scale, zero_point: _fake_quantize(x, scale, zero_point, quantizer),
-      x, [scale, zero_point], granularity,
-  )
+def _apply(x, parameters: _parameters.Parameters, quantizer: _Quantizer) -> jax.Array:
+  return parameters.apply(
+      lambda x, scale, zero_point: _fake_quantize(x, scale, zero_point, quantizer), x)
 
 
 def _check_zero_point(arguments: dict) -> None:
@@ -275,17 +272,13 @@ def _fake_quantize_op(
     zero_point_dtype,
 ):
   x = _dtypes.float_input("x", jnp.asarray(x))
-  scale = _dtypes.scale_array("scale", scale)
   info = _fake_quantized_dtype(dtype, narrow_range=narrow_range)
-  zero_point = _parameters.zero_point_array(
-      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+  parameters = _parameters.bind(
+      x.shape, scale, zero_point, info, axis=axis, block_size=block_size,
+      zero_point_dtype=zero_point_dtype,
   )
-  granularity = _granularity.resolve(
-      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
-      axis=axis, block_size=block_size,
-  )
-  quantizer = _Quantizer(info, _numerics.division_precision(scale.dtype), gradient)
-  return _apply(x, scale, zero_point, granularity, quantizer)
+  quantizer = _Quantizer(info, _numerics.division_precision(parameters.scale.dtype), gradient)
+  return _apply(x, parameters, quantizer)
 
 
 @_bind.op(
@@ -374,30 +367,12 @@ def fake_quantize_learnable(
   """
   x = _dtypes.float_input("x", jnp.asarray(x))
   info = _fake_quantized_dtype(dtype, narrow_range=narrow_range, integer=True)
-  scale = _learned_parameter("scale", scale)
-  if zero_point is not None:
-    zero_point = _learned_parameter("zero_point", zero_point)
-  granularity = _granularity.resolve(
-      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
-      axis=axis, block_size=block_size,
-  )
+  parameters = _parameters.bind(
+      x.shape, scale, zero_point, info, axis=axis, block_size=block_size, learned=True)
   quantizer = _Quantizer(
-      info, _numerics.division_precision(scale.dtype), "lsq", float(grad_factor)
+      info, _numerics.division_precision(parameters.scale.dtype), "lsq", float(grad_factor)
   )
-  return _apply(x, scale, zero_point, granularity, quantizer)
-
-
-def _learned_parameter(argument: str, value: ArrayLike) -> jax.Array:
-  """A learned float parameter; a Python number is float32."""
-  value = jnp.asarray(value)
-  if value.weak_type:
-    value = value.astype(jnp.float32)
-  _validate.check(
-      value.dtype in _dtypes.OUTPUT_FLOAT_DTYPES, f"{argument}.dtype",
-      "a float dtype (float32, float16 or bfloat16; it is learned)", value.dtype.name,
-      error=TypeError,
-  )
-  return value
+  return _apply(x, parameters, quantizer)
 
 
 @_bind.op(
@@ -460,7 +435,8 @@ def fake_quantize_dynamic(
   _fake_quantized_dtype(dtype, narrow_range=False)  # at most 16 bits
   scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
   quantizer = _Quantizer(dynamic.info, np.dtype(np.float32), gradient)  # the float32 scale's
-  return _apply(x, scale, zero_point, dynamic.granularity, quantizer)
+  return _apply(
+      x, _parameters.Parameters(dynamic.info, scale, zero_point, dynamic.granularity), quantizer)
 
 
 @_validate.reports_as("lsq_grad_factor")

@@ -153,15 +153,56 @@ def _dequantize_linear(
     x, scale, zero_point, *, axis, block_size, output_dtype, implementation, packed_shape,
     packed_dtype, zero_point_dtype,
 ):
-  x = jnp.asarray(x)
-  shape = x.shape
+  x, shape, info = _quantized_input(x, packed_shape, packed_dtype)
+  parameters = _parameters.bind(
+      shape, scale, zero_point, info, axis=axis, block_size=block_size,
+      zero_point_dtype=zero_point_dtype,
+  )
+  output_dtype = _dtypes.float_dtype(
+      "output_dtype",
+      _dtypes.scale_float_dtype(parameters.scale.dtype) if output_dtype is None else output_dtype,
+  )
+  formula = functools.partial(_numerics.dequantize_formula, info=info, output_dtype=output_dtype)
+  call = _dispatch.Route("dequantize_linear", info.name, parameters.granularity.kind)
+  # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
+  use_kernel = _dispatch.runs_kernel(call, implementation) and math.prod(shape) > 0
+  # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
+  per_byte = 1
   if packed_shape is not None:
-    shape = packed_shape
+    per_byte = 8 // info.bits
+    if not (use_kernel and 8 % info.bits == 0
+            and _granularity.packable(parameters.granularity, shape, per_byte)):
+      # The kernel reads whole bytes of whole elements. 6-bit codes straddle
+      # bytes, as do 2- and 4-bit ones across a row or block edge: XLA
+      # unpacks those first, to one element (float6: one code) per byte.
+      x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
+
+  def xla(x, parameters):
+    if per_byte > 1:
+      x = _packing.unpacked(x, shape, info.dtype)
+    return parameters.apply(formula, x)
+
+  def kernel(x, parameters):
+    if per_byte > 1:
+      x = x.reshape(shape[:-1] + (shape[-1] // per_byte,))
+    return pallas_kernels.dequantize(
+        x, *parameters.shaped, formula=formula, output_dtype=output_dtype,
+        packed_dtype=info.dtype if per_byte > 1 else None, blocks=parameters.blocks,
+    )
+
+  return _dispatch.evaluate(
+      call, implementation, xla, kernel if use_kernel else None, x, parameters)
+
+
+def _quantized_input(x, packed_shape, packed_dtype):
+  """x as an array of its quantized dtype (or packed bytes), its unpacked shape, and that dtype."""
+  x = jnp.asarray(x)
+  if packed_shape is not None:
     info = _packing.sub_byte_dtype(
         "packed_dtype", jnp.int4 if packed_dtype is None else packed_dtype
     )
-    x = _packing.packed_bytes(x, shape, info.dtype)
-  elif packed_dtype is not None:
+    return _packing.packed_bytes(x, packed_shape, info.dtype), packed_shape, info
+  if packed_dtype is not None:
     info = _packing.sub_byte_dtype("packed_dtype", packed_dtype)
     accepted = ["uint8"] + ([] if info.as_codes else [info.name])
     _validate.check(
@@ -169,62 +210,14 @@ def _dequantize_linear(
         f"{' or '.join(accepted)} (one code per byte) for packed_dtype={info.name} "
         "without packed_shape", x.dtype.name, error=TypeError,
     )
-    x = _packing.from_codes(x, info) if x.dtype == jnp.uint8 else x
-  else:
-    info = _dtypes.quantized_dtype("x.dtype", x.dtype)
-  scale = _dtypes.scale_array("scale", scale)
-  zero_point = _parameters.zero_point_array(
-      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
-  )
-  if output_dtype is None:
-    output_dtype = (
-        scale.dtype if scale.dtype in _dtypes.OUTPUT_FLOAT_DTYPES else jnp.float32
-    )
-  output_dtype = _dtypes.float_dtype("output_dtype", output_dtype)
-  granularity = _granularity.resolve(
-      shape, scale.shape, None if zero_point is None else zero_point.shape,
-      axis=axis, block_size=block_size,
-  )
-  formula = functools.partial(_numerics.dequantize_formula, info=info, output_dtype=output_dtype)
-  # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
-  use_kernel = _dispatch.select("dequantize_linear", implementation) == "pallas" and math.prod(shape) > 0
-  # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
-  per_byte = 1
-  if packed_shape is not None:
-    per_byte = 8 // info.bits
-    if not (use_kernel and 8 % info.bits == 0
-            and _granularity.packable(granularity, shape, per_byte)):
-      # The kernel reads whole bytes of whole elements. 6-bit codes straddle
-      # bytes, as do 2- and 4-bit ones across a row or block edge: XLA
-      # unpacks those first, to one element (float6: one code) per byte.
-      x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
-
-  def xla(x, scale, zero_point):
-    if per_byte > 1:
-      x = _packing.unpacked(x, shape, info.dtype)
-    return _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity
-    )
-
-  if not use_kernel:
-    return xla(x, scale, zero_point)
-
-  def kernel(x, scale, zero_point):
-    if per_byte > 1:
-      x = x.reshape(shape[:-1] + (shape[-1] // per_byte,))
-    return pallas_kernels.dequantize(
-        x, *granularity.shaped([scale, zero_point]), formula=formula,
-        output_dtype=output_dtype, packed_dtype=info.dtype if per_byte > 1 else None,
-        blocks=granularity.kernel_blocks,
-    )
-
-  return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms("dequantize_linear", implementation))(
-      x, scale, zero_point)
+    return (_packing.from_codes(x, info) if x.dtype == jnp.uint8 else x), x.shape, info
+  return x, x.shape, _dtypes.quantized_dtype("x.dtype", x.dtype)
 
 
-def _lane_params(params, granularity, per_byte):
-  """Per lane ``k``, the parameters of ``x[..., k::per_byte]`` and their granularity.
+def _lane_parameters(
+    parameters: _parameters.Parameters, per_byte: int
+) -> _parameters.Parameters | None:
+  """The parameters of every lane ``x[..., k::per_byte]``, or ``None``.
 
   The lanes share a byte, so they lie in one block along the last dim
   when its blocks hold whole bytes, and share its parameters, indexed at
@@ -234,6 +227,7 @@ def _lane_params(params, granularity, per_byte):
   them too, which XLA:CPU compiles to scalar code (2.2x the CPU time of
   quantizing contiguously and packing whole words, measured).
   """
+  granularity = parameters.granularity
   blocks, block = granularity.param_shape[-1], granularity.block_shape[-1]
   if blocks == 1:
     lane_block = 1
@@ -244,12 +238,16 @@ def _lane_params(params, granularity, per_byte):
   lane_granularity = dataclasses.replace(
       granularity, block_shape=granularity.block_shape[:-1] + (lane_block,)
   )
-  params = [None if p is None else jnp.reshape(p, granularity.param_shape) for p in params]
-  return [params] * per_byte, lane_granularity
+  return dataclasses.replace(
+      parameters, scale=jnp.reshape(parameters.scale, granularity.param_shape),
+      zero_point=None if parameters.zero_point is None
+      else jnp.reshape(parameters.zero_point, granularity.param_shape),
+      granularity=lane_granularity,
+  )
 
 
-def _packed_quantize(formula, x, params, granularity, bits):
-  """``pack(formula(x, *params))`` from uint8 codes, never holding a sub-byte array.
+def _packed_quantize(formula, x, parameters: _parameters.Parameters):
+  """``pack(formula(x, *parameters))`` from uint8 codes, never holding a sub-byte array.
 
   When whole bytes lie within the last dim, the elements sharing a byte are
   the last dim's interleaved lanes ``x[..., k::per_byte]``: each lane is
@@ -258,19 +256,16 @@ def _packed_quantize(formula, x, params, granularity, bits):
   codes straddling bytes, one scale per element of the last dim) the codes
   are computed and then packed.
   """
+  bits = parameters.info.bits
   per_byte = 8 // bits if 8 % bits == 0 else 0
   lanes = None
   if per_byte and x.ndim and x.shape[-1] % per_byte == 0:
-    lanes = _lane_params(params, granularity, per_byte)
+    lanes = _lane_parameters(parameters, per_byte)
   if lanes is None:
-    return _packing.pack_codes(
-        _granularity.apply_blockwise(formula, x, params, granularity), bits
-    )
-  lane_params, lane_granularity = lanes
+    return _packing.pack_codes(parameters.apply(formula, x), bits)
   packed = None
-  for k, params_k in enumerate(lane_params):
-    x_k = x[..., k::per_byte]
-    codes = _granularity.apply_blockwise(formula, x_k, params_k, lane_granularity)
+  for k in range(per_byte):
+    codes = lanes.apply(formula, x[..., k::per_byte])
     packed = codes if packed is None else packed | (codes << (bits * k))
   return packed.reshape(-1)
 
@@ -397,7 +392,6 @@ def _quantize_linear(
   x = jnp.asarray(x)
   if x.dtype != jnp.int32:
     x = _dtypes.float_input("x", x, also="int32")
-  scale = _dtypes.scale_array("scale", scale)
   info = _parameters.quantized_output_dtype(
       zero_point, output_dtype, zero_point_dtype=zero_point_dtype
   )
@@ -405,38 +399,27 @@ def _quantize_linear(
       not packed or info.bits < 8, "packed",
       f"False for {info.name} (only sub-byte dtypes pack)", packed,
   )
-  zero_point = _parameters.zero_point_array(
-      "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype
+  parameters = _parameters.bind(
+      x.shape, scale, zero_point, info, axis=axis, block_size=block_size,
+      zero_point_dtype=zero_point_dtype,
   )
-  precision = (_numerics.division_precision(scale.dtype) if precision is None
+  precision = (_numerics.division_precision(parameters.scale.dtype) if precision is None
                else _dtypes.float_dtype("precision", precision))
-  granularity = _granularity.resolve(
-      x.shape, scale.shape, None if zero_point is None else zero_point.shape,
-      axis=axis, block_size=block_size,
-  )
-  formula = functools.partial(_numerics.quantize_formula, info=info, precision=precision, saturate=saturate
-  )
+  formula = functools.partial(
+      _numerics.quantize_formula, info=info, precision=precision, saturate=saturate)
 
-  def xla(x, scale, zero_point):
+  def xla(x, parameters):
     if packed:
-      return _packed_quantize(
-          functools.partial(formula, codes=True), x, [scale, zero_point], granularity,
-          info.bits,
-      )
-    return _granularity.apply_blockwise(
-        formula, x, [scale, zero_point], granularity
-    )
+      return _packed_quantize(functools.partial(formula, codes=True), x, parameters)
+    return parameters.apply(formula, x)
 
-  if _dispatch.select("quantize_linear", implementation) != "pallas" or not x.size:
-    return xla(x, scale, zero_point)
-
-  def kernel(x, scale, zero_point):
+  def kernel(x, parameters):
     y = pallas_kernels.quantize(
-        x, *granularity.shaped([scale, zero_point]), formula=formula,
-        output_dtype=info.array_dtype, blocks=granularity.kernel_blocks,
+        x, *parameters.shaped, formula=formula, output_dtype=info.array_dtype,
+        blocks=parameters.blocks,
     )
     return _packing.pack_codes(_packing.to_codes(y, info), info.bits) if packed else y
 
-  return _dispatch.with_xla_derivatives(
-      kernel, xla, platforms=_dispatch.kernel_platforms("quantize_linear", implementation))(
-      x, scale, zero_point)
+  return _dispatch.evaluate(
+      _dispatch.Route("quantize_linear", info.name, parameters.granularity.kind),
+      implementation, xla, kernel if x.size else None, x, parameters)

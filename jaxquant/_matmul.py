@@ -921,14 +921,12 @@ def matmul_nbits(
   xla = functools.partial(_nbits_xla, **options)
   # A symbolic batch (jax.export) has no static grid to tile: XLA runs it.
   static_batch = all(isinstance(d, int) for d in a.shape)
-  if (_dispatch.select("matmul_nbits", implementation) == "pallas" and K % block_size == 0
-      and zero_points.dtype == _UINT8 and static_batch and a.size):
+  kernel = None
+  if K % block_size == 0 and zero_points.dtype == _UINT8 and static_batch and a.size:
     kernel = functools.partial(_nbits_kernel, **options)
-    y = _dispatch.with_xla_derivatives(
-        kernel, xla, platforms=_dispatch.kernel_platforms("matmul_nbits", implementation))(
-        a, packed, scales, zero_points)
-  else:
-    y = xla(a, packed, scales, zero_points)
+  y = _dispatch.evaluate(
+      _dispatch.Route("matmul_nbits", f"uint{bits}", "blocked"), implementation, xla, kernel,
+      a, packed, scales, zero_points)
   if bias is not None:
     bias = jnp.asarray(bias)
     _validate.check(bias.shape == (N,), "bias.shape", f"({N},)", bias.shape)

@@ -43,8 +43,7 @@ def division_precision(scale_dtype: Any) -> np.dtype:
 
   A float8_e8m0fnu scale is a power of two, so float32 divides by it exactly.
   """
-  scale_dtype = np.dtype(scale_dtype)
-  return scale_dtype if scale_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  return _dtypes.scale_float_dtype(scale_dtype)
 
 
 def int32_to_float(x: jax.Array, dtype: np.dtype, precision: np.dtype) -> jax.Array:

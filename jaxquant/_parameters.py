@@ -8,6 +8,7 @@ validating each once; the op then only evaluates its formula on them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 
 import jax
@@ -102,3 +103,112 @@ def quantized_output_dtype(
       "output_dtype", default if output_dtype is None else output_dtype,
       integer=integer,
   )
+
+
+def learned_parameter(argument: str, value: ArrayLike) -> jax.Array:
+  """A learned float parameter (a scale or zero point trained by LSQ); a Python number is float32."""
+  value = jnp.asarray(value)
+  if value.weak_type:
+    value = value.astype(jnp.float32)
+  _validate.check(
+      value.dtype in _dtypes.OUTPUT_FLOAT_DTYPES, f"{argument}.dtype",
+      "a float dtype (float32, float16 or bfloat16; it is learned)", value.dtype.name,
+      error=TypeError,
+  )
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameters:
+  """A call's quantization parameters, validated and canonicalised once.
+
+  Attributes:
+    info: the quantized dtype's table entry.
+    scale: the scale (its dtype is the division's default precision).
+    zero_point: the zero point, in ``info``'s array dtype (a learned one in
+      float), or ``None`` for 0.
+    granularity: how scale and zero point lay out against x.
+  """
+
+  info: _dtypes.QuantizedDType
+  scale: jax.Array
+  zero_point: jax.Array | None
+  granularity: _granularity.Granularity
+
+  @property
+  def arrays(self) -> list[jax.Array | None]:
+    """``[scale, zero_point]``: the formula's parameters, in its order."""
+    return [self.scale, self.zero_point]
+
+  # The one blocked view, read by both evaluations: XLA expands each
+  # parameter over its block inside the formula's fusion (x is never
+  # reshaped); a kernel takes the parameters at their own size, shaped to
+  # x's rank, and the block each covers along every dim.
+
+  def apply(self, formula: Callable[..., jax.Array], x: jax.Array) -> jax.Array:
+    """``formula(x, scale, zero_point)`` element-wise, each x element with its block's parameters (XLA)."""
+    return _granularity.apply_blockwise(formula, x, self.arrays, self.granularity)
+
+  @property
+  def shaped(self) -> list[jax.Array | None]:
+    """Scale and zero point in x's rank, one element per block (the kernels')."""
+    return self.granularity.shaped(self.arrays)
+
+  @property
+  def blocks(self) -> tuple[int, ...]:
+    """Per dim, the x elements one parameter covers where it is split, else 1 (the kernels')."""
+    return self.granularity.kernel_blocks
+
+
+# Scale and zero point are the leaves: a derivative flows to them, and the
+# dtype and layout stay static.
+jax.tree_util.register_dataclass(
+    Parameters, data_fields=["scale", "zero_point"], meta_fields=["info", "granularity"])
+
+
+def bind(
+    shape: tuple[int, ...],
+    scale: ArrayLike,
+    zero_point: ArrayLike | None,
+    info: _dtypes.QuantizedDType,
+    *,
+    axis: int | None,
+    block_size: int,
+    zero_point_dtype: np.dtype | None = None,
+    learned: bool = False,
+) -> Parameters:
+  """Binds scale and zero point against an x of ``shape`` quantized to ``info``.
+
+  Args:
+    shape: x's shape (the unpacked shape of packed x).
+    scale: the scale as given.
+    zero_point: the zero point as given, or ``None``.
+    info: the quantized dtype.
+    axis: the quantization axis, as given.
+    block_size: the block length, as given.
+    zero_point_dtype: the dtype of a NumPy zero point already turned into
+      codes (float6), else ``None``.
+    learned: scale and zero point are learned floats (LSQ), not an ONNX
+      scale and a zero point in the quantized dtype.
+
+  Returns:
+    The :class:`Parameters`.
+
+  Raises:
+    TypeError: for a dtype of ``scale`` or ``zero_point`` that is not accepted.
+    ValueError: if the shapes fit no granularity, or ``axis``/``block_size``
+      are out of range.
+  """
+  if learned:
+    scale = learned_parameter("scale", scale)
+    if zero_point is not None:
+      zero_point = learned_parameter("zero_point", zero_point)
+  else:
+    scale = _dtypes.scale_array("scale", scale)
+    zero_point = zero_point_array(
+        "zero_point", zero_point, info.dtype, host_dtype=zero_point_dtype)
+  granularity = _granularity.resolve(
+      shape, scale.shape, None if zero_point is None else zero_point.shape,
+      axis=axis, block_size=block_size,
+  )
+  return Parameters(info, scale, zero_point, granularity)

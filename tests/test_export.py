@@ -127,7 +127,8 @@ def test_default_implementation_picks_the_kernel_per_platform_when_lowered(monke
 
   assert interpreted(exported(("cpu",), "pallas").mlir_module())
   assert "xla.gpu.triton" not in exported(("cpu", "cuda")).mlir_module()  # nothing listed
-  monkeypatch.setattr(_dispatch, "PALLAS_FASTER", {"cuda": frozenset({"quantize_linear"})})
+  monkeypatch.setattr(
+      _dispatch, "PALLAS_FASTER", {"cuda": frozenset({_dispatch.Route("quantize_linear")})})
   jax.clear_caches()  # the ops' traces read the table
   try:
     both = exported(("cpu", "cuda"))

@@ -301,11 +301,29 @@ def test_default_implementation_is_xla_until_a_kernel_is_measured_faster():
   )
 
 
+def test_default_implementation_follows_the_routes_dtype_and_layout(monkeypatch):
+  # An entry may name the quantized dtype and the layout it was measured on.
+  monkeypatch.setattr(_dispatch, "PALLAS_FASTER", {"cpu": frozenset({
+      _dispatch.Route("dequantize_linear", "int8", "blocked")})})
+  jax.clear_caches()  # the ops' traces read the table
+  try:
+    blocks = jnp.ones((8, 4))
+    blocked = lambda q: jq.dequantize_linear(q, blocks, axis=1, block_size=32)
+    q = jnp.zeros((8, 128), jnp.int8)
+    assert _uses_pallas(blocked, q)
+    assert not _uses_pallas(blocked, q.astype(jnp.uint8))  # another dtype
+    assert not _uses_pallas(lambda q: jq.dequantize_linear(q, 1.0), q)  # another layout
+    assert not _uses_pallas(lambda q: jq.quantize_linear(
+        q.astype(jnp.float32), blocks, axis=1, block_size=32), q)  # another op
+  finally:
+    jax.clear_caches()
+
+
 def test_default_implementation_runs_the_kernel_where_the_table_lists_it(monkeypatch):
   # Listed for CPU: None runs these kernels here (one branch per platform,
   # picked when lowered), with the same bits, batching and derivatives.
-  monkeypatch.setattr(_dispatch, "PALLAS_FASTER",
-                      {"cpu": frozenset({"quantize_linear", "dequantize_linear"})})
+  monkeypatch.setattr(_dispatch, "PALLAS_FASTER", {"cpu": frozenset({
+      _dispatch.Route("quantize_linear"), _dispatch.Route("dequantize_linear")})})
   jax.clear_caches()  # the ops' traces read the table
   try:
     x = jnp.linspace(-3.0, 3.0, 8 * 128).reshape(8, 128)
