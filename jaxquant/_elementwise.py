@@ -19,23 +19,11 @@ from jaxquant import _validate
 import pallas_kernels
 
 
-def _per_tensor(name: str, value: jax.Array) -> jax.Array:
-  _validate.check(
-      value.size == 1, f"{name}.shape",
-      "() or one element (per-tensor)", value.shape,
-  )
-  return value.reshape(())
-
-
 def _operand(name, values, scale, zero_point):
   """Validates one quantized operand; returns it with scalar scale and zero point."""
   values = jnp.asarray(values)
   info = _dtypes.quantized_dtype(f"{name}.dtype", values.dtype, integer=True)
-  scale = _dtypes.scale_array(f"{name}_scale", scale)
-  zero_point = _parameters.zero_point_array(f"{name}_zero_point", zero_point, info.dtype)
-  if zero_point is not None:
-    zero_point = _per_tensor(f"{name}_zero_point", zero_point)
-  return values, info, _per_tensor(f"{name}_scale", scale), zero_point
+  return (values, info, *_parameters.per_tensor(name, scale, zero_point, info))
 
 
 def _is_nan(x: jax.Array) -> jax.Array:
@@ -143,14 +131,7 @@ def quantized_add(
       out_zero_point, output_dtype, argument="out_zero_point", default=a.dtype,
       integer=True,
   )
-  out_scale = _per_tensor(
-      "out_scale", _dtypes.scale_array("out_scale", out_scale)
-  )
-  out_zero_point = _parameters.zero_point_array(
-      "out_zero_point", out_zero_point, out_info.dtype
-  )
-  if out_zero_point is not None:
-    out_zero_point = _per_tensor("out_zero_point", out_zero_point)
+  out_scale, out_zero_point = _parameters.per_tensor("out", out_scale, out_zero_point, out_info)
   formula = functools.partial(_add_formula, a_info=a_info, b_info=b_info, out_info=out_info)
   parameters = [a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point]
 

@@ -694,13 +694,7 @@ def qlinear_matmul(
                      a2.ndim, rows=True)
   b_scale = _per_row("b_scale", _dtypes.scale_array("b_scale", b_scale),
                      b2.ndim, rows=False)
-  y_scale = _dtypes.scale_array("y_scale", y_scale)
-  y_zero_point = _parameters.zero_point_array("y_zero_point", y_zero_point, out_info.dtype)
-  for name, value in [("y_scale", y_scale), ("y_zero_point", y_zero_point)]:
-    _validate.check(
-        value is None or value.size == 1, f"{name}.shape",
-        "() or one element (per-tensor)", None if value is None else value.shape,
-    )
+  y_scale, y_zero_point = _parameters.per_tensor("y", y_scale, y_zero_point, out_info)
   lhs, rhs, infos, sides, (a_scale, a_zero_point, b_scale, b_zero_point) = _prepare(
       a2, b2, a_scale, a_zero_point, b_scale, b_zero_point, dimension_numbers,
       ("a", "b"))

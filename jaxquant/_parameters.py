@@ -118,6 +118,20 @@ def learned_parameter(argument: str, value: ArrayLike) -> jax.Array:
   return value
 
 
+def per_tensor(
+    prefix: str, scale: ArrayLike, zero_point: ArrayLike | None, info: _dtypes.QuantizedDType
+) -> tuple[jax.Array, jax.Array | None]:
+  """A per-tensor ``{prefix}_scale`` and ``{prefix}_zero_point`` (0-d or one element) as 0-d arrays."""
+  scale = _dtypes.scale_array(f"{prefix}_scale", scale)
+  zero_point = zero_point_array(f"{prefix}_zero_point", zero_point, info.dtype)
+  for name, value in [("scale", scale), ("zero_point", zero_point)]:
+    _validate.check(
+        value is None or value.size == 1, f"{prefix}_{name}.shape",
+        "() or one element (per-tensor)", None if value is None else value.shape,
+    )
+  return scale.reshape(()), None if zero_point is None else zero_point.reshape(())
+
+
 @dataclasses.dataclass(frozen=True)
 class Parameters:
   """A call's quantization parameters, validated and canonicalised once.
