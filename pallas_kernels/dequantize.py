@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +28,6 @@ PACKED_DTYPES = {
     np.dtype(jnp.int4): 4, np.dtype(jnp.uint4): 4, np.dtype(jnp.float4_e2m1fn): 4,
 }
 # The unsigned dtype of each width, for the XLA twin's bitcasts.
-_UNSIGNED = {2: np.dtype(jnp.uint2), 4: np.dtype(jnp.uint4)}
 
 
 def decode_codes(codes: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -189,63 +187,3 @@ def dequantize(
       backend=backend, interpret=interpret, max_block=max_block, name="dequantize",
   )
   return y
-
-
-def dequantize_reference(
-    x: jax.Array,
-    scale: jax.Array,
-    zero_point: jax.Array | None,
-    *,
-    formula: Formula,
-    output_dtype: np.dtype,
-    packed_dtype: np.dtype | None = None,
-) -> jax.Array:
-  r"""The pure-XLA twin of :func:`dequantize`: the same result, without Pallas.
-
-  .. math::
-
-    y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
-
-  with NumPy broadcasting, cast to ``output_dtype``; packed bytes are unpacked
-  first by a bitcast to ``packed_dtype`` (lowest bits first), which is the
-  dtype ``formula`` then sees. The kernel tests compare against it bit for bit.
-
-  Args:
-    x, scale, zero_point, formula, output_dtype, packed_dtype: as for
-      :func:`dequantize`.
-
-  Returns:
-    The dequantized array of ``output_dtype``, shaped like the (unpacked) x.
-
-  Raises:
-    ValueError: from ``jnp`` inside ``formula`` for shapes that do not
-      broadcast. Nothing is checked here: the caller validates.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import pallas_kernels
-    >>> def formula(x, scale, zero_point):
-    ...   return x.astype(jnp.float32) * scale
-    >>> packed = jnp.array([[0x21, 0x43]], jnp.uint8)  # uint4 1, 2, 3, 4
-    >>> args = (packed, jnp.full((1, 1), 0.5), None)
-    >>> options = dict(formula=formula, output_dtype=jnp.float32,
-    ...                packed_dtype=jnp.uint4)
-    >>> y = pallas_kernels.dequantize_reference(*args, **options)
-    >>> y
-    Array([[0.5, 1. , 1.5, 2. ]], dtype=float32)
-    >>> bool(jnp.array_equal(
-    ...     y, pallas_kernels.dequantize(*args, **options, interpret=True)))
-    True
-    >>> packed = jnp.array([[0b11_10_01_00]], jnp.uint8)  # int2 0, 1, -2, -1
-    >>> pallas_kernels.dequantize_reference(
-    ...     packed, jnp.full((1, 1), 0.5), None, formula=formula,
-    ...     output_dtype=jnp.float32, packed_dtype=jnp.int2)
-    Array([[ 0. ,  0.5, -1. , -0.5]], dtype=float32)
-  """
-  if packed_dtype is not None:
-    bits = PACKED_DTYPES[np.dtype(packed_dtype)]
-    codes = lax.bitcast_convert_type(x, _UNSIGNED[bits])  # (..., n, 8 // bits): low bits first
-    x = lax.bitcast_convert_type(
-        codes.reshape(*x.shape[:-1], (8 // bits) * x.shape[-1]), packed_dtype
-    )
-  return formula(x, scale, zero_point).astype(output_dtype)

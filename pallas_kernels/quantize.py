@@ -43,7 +43,7 @@ def quantize(
   ``implementation="pallas"``). On Triton the formula's float32 division and
   ``jnp.round`` are rewritten to the IEEE-exact forms XLA computes (division
   rounded to nearest on CUDA, round half to even from ``floor``), so the
-  kernel can agree with :func:`quantize_reference` bit for bit.
+  kernel agrees with XLA evaluating the same formula bit for bit.
 
   Args:
     x: the float input.
@@ -86,46 +86,3 @@ def quantize(
       blocks=blocks, backend=backend, interpret=interpret, max_block=max_block, name="quantize",
   )
   return y
-
-
-def quantize_reference(
-    x: jax.Array,
-    scale: jax.Array,
-    zero_point: jax.Array | None,
-    *,
-    formula: Formula,
-    output_dtype: np.dtype,
-) -> jax.Array:
-  r"""The pure-XLA twin of :func:`quantize`: the same result, without Pallas.
-
-  .. math::
-
-    y = \mathrm{formula}(x, \mathrm{scale}, \mathrm{zero\_point})
-
-  with NumPy broadcasting, cast to ``output_dtype``. The kernel tests compare
-  against it bit for bit.
-
-  Args:
-    x, scale, zero_point, formula, output_dtype: as for :func:`quantize`.
-
-  Returns:
-    The quantized array of ``output_dtype``, shaped like x.
-
-  Raises:
-    ValueError: from ``jnp`` inside ``formula`` for shapes that do not
-      broadcast. Nothing is checked here: the caller validates.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import pallas_kernels
-    >>> def formula(x, scale, zero_point):
-    ...   return jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8)
-    >>> x = jnp.linspace(-80.0, 80.0, 8 * 128).reshape(8, 128)
-    >>> args = (x, jnp.full((8, 1), 0.5), None)  # one scale per row
-    >>> options = dict(formula=formula, output_dtype=jnp.int8)
-    >>> y = pallas_kernels.quantize_reference(*args, **options)
-    >>> bool(jnp.array_equal(
-    ...     y, pallas_kernels.quantize(*args, **options, interpret=True)))
-    True
-  """
-  return formula(x, scale, zero_point).astype(output_dtype)

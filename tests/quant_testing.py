@@ -500,3 +500,33 @@ def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str
                           capture_output=True, text=True, timeout=timeout)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
+
+
+# --- the kernels' reference: jaxquant's own XLA evaluation ---------------------------------
+
+
+def xla_evaluation(formula, x, params, *, output_dtype, blocks=None):
+  """What jaxquant's XLA path computes for a kernel's call, to compare the kernel against.
+
+  ``params`` are in the kernels' layout (x's rank; each dim 1, x's size, or
+  one element per block of ``blocks[d]``); the formula runs through
+  ``Parameters.apply``'s view (``_granularity.apply_blockwise``), each
+  parameter expanded over the x elements it covers.
+  """
+  from jaxquant import _granularity  # pylint: disable=import-outside-toplevel
+
+  param_shape = next(p.shape for p in params if p is not None)
+  blocks = blocks or (1,) * x.ndim
+  block_shape = tuple(
+      b if b > 1 else (n if p == 1 else 1)
+      for n, p, b in zip(x.shape, param_shape, blocks))
+  granularity = _granularity.Granularity("blocked", param_shape, block_shape)
+  return _granularity.apply_blockwise(formula, x, params, granularity).astype(output_dtype)
+
+
+def xla_dynamic_evaluation(x, keep, *, reduction, parameters, formula, output_dtype):
+  """jaxquant's XLA dynamic quantization for a kernel's call: reduce over the dims not kept,
+  then :func:`xla_evaluation`. Returns ``(y, scale, zero_point)``."""
+  scale, zero_point = parameters(*reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
+  y = xla_evaluation(formula, x, [scale, zero_point], output_dtype=output_dtype)
+  return y, scale, zero_point

@@ -37,6 +37,8 @@ from quant_testing import FOUR_BIT_DTYPES
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
 from quant_testing import QUANTIZED_DTYPES
 from quant_testing import SUB_BYTE_DTYPES
+from quant_testing import xla_dynamic_evaluation
+from quant_testing import xla_evaluation
 
 # quantized_add's operands here: the integer dtypes of 4 to 16 bits.
 ADD_DTYPES = tuple(d for d in INTEGER_DTYPES_TO_16_BITS if bit_width(d) >= 4)
@@ -375,7 +377,8 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
   assert_bits_equal(
       pallas_kernels.dequantize(x, scale, zero_point, backend=backend, interpret=True,
                                 max_block=max_block, **options),
-      pallas_kernels.dequantize_reference(x, scale, zero_point, **options),
+      xla_evaluation(options["formula"], x, [scale, zero_point],
+                     output_dtype=options["output_dtype"]),
   )
 
 
@@ -389,9 +392,8 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
   options = {"formula": functools.partial(_numerics.dequantize_formula, info=info,
                                           output_dtype=jnp.float32),
              "output_dtype": np.dtype(jnp.float32), "packed_dtype": np.dtype(dtype)}
-  expected = pallas_kernels.dequantize_reference(packed, scale, zero_point, **options)
-  assert_bits_equal(expected, jq.dequantize_linear(
-      x, scale.reshape(6), zero_point.reshape(6), axis=1))
+  expected = jq.dequantize_linear(
+      x, scale.reshape(6), zero_point.reshape(6), axis=1, implementation="xla")
   assert_bits_equal(
       pallas_kernels.dequantize(packed, scale, zero_point, backend=backend, interpret=True,
                                 max_block=max_block, **options),
@@ -415,7 +417,8 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   assert_bits_equal(
       pallas_kernels.quantize(x, scale, None, backend=backend, interpret=True,
                               max_block=max_block, **options),
-      pallas_kernels.quantize_reference(x, scale, None, **options),
+      xla_evaluation(options["formula"], x, [scale, None],
+                     output_dtype=options["output_dtype"]),
   )
 
 
@@ -434,7 +437,7 @@ def test_quantized_add_kernel(backend, max_block):
   assert_bits_equal(
       pallas_kernels.quantized_add(a, b, parameters, backend=backend, interpret=True,
                                    max_block=max_block, **options),
-      pallas_kernels.quantized_add_reference(a, b, parameters, **options),
+      jq.quantized_add(a, *parameters[:2], b, *parameters[2:], implementation="xla"),
   )
 
 
@@ -457,7 +460,7 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
   }
   actual = pallas_kernels.dynamic_quantize(
       x, keep, backend=backend, interpret=True, max_block=max_block, **options)
-  expected = pallas_kernels.dynamic_quantize_reference(x, keep, **options)
+  expected = xla_dynamic_evaluation(x, keep, **options)
   for a, e in zip(actual, expected):
     assert_bits_equal(a, e)
 
@@ -476,8 +479,7 @@ def test_kernels_read_blocked_parameters(backend, columns):
   assert_bits_equal(
       pallas_kernels.quantize(x, scale, None, formula=formula, output_dtype=info.dtype,
                               blocks=(1, 16), backend=backend, interpret=True),
-      pallas_kernels.quantize_reference(x, jnp.repeat(scale, 16, axis=1)[:, :columns], None,
-                                        formula=formula, output_dtype=info.dtype))
+      xla_evaluation(formula, x, [scale, None], blocks=(1, 16), output_dtype=info.dtype))
   options = {
       "reduction": functools.partial(_dynamic._min_max, keepdims=True),
       "parameters": functools.partial(_dynamic._asymmetric_parameters, info=info),
@@ -486,8 +488,7 @@ def test_kernels_read_blocked_parameters(backend, columns):
   actual = pallas_kernels.dynamic_quantize(
       x, (True, True), blocks=(1, 16), backend=backend, interpret=True, **options)
   view = jnp.pad(x, ((0, 0), (0, count * 16 - columns)), constant_values=np.nan)
-  expected = pallas_kernels.dynamic_quantize_reference(
-      view.reshape(8, count, 16), (True, True, False), **options)
+  expected = xla_dynamic_evaluation(view.reshape(8, count, 16), (True, True, False), **options)
   assert_bits_equal(actual[0], expected[0].reshape(8, -1)[:, :columns])
   for a, e in zip(actual[1:], expected[1:]):
     assert_bits_equal(a, e.reshape(8, count))
@@ -546,7 +547,8 @@ def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   scale = jnp.float32(0.5).reshape(1)
   assert_bits_equal(
       pallas_kernels.dequantize(x, scale, None, backend=backend, interpret=True, **options),
-      pallas_kernels.dequantize_reference(x, scale, None, **options),
+      xla_evaluation(options["formula"], x, [scale, None],
+                     output_dtype=options["output_dtype"]),
   )
   values = _float_values(rng, (size,), jnp.float32, 0.01)
   values = jnp.where(jnp.isinf(values), 0, values)
