@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import itertools
 import math
 
 import jax
 from jax import lax
-from jax._src import sharding_impls  # HloSharding -> PartitionSpec; no public name
 from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -209,16 +209,15 @@ def _sharded(
   ]
   rule = dict(p=packing, need_replication_factors=("p",)) if packing > 1 else {}
 
-  def mesh_axes(mesh, arg_shapes) -> list[tuple[str, ...]]:
+  def split_axes(mesh, arg_shapes) -> list[tuple[str, ...]]:
     """Per dim, the mesh axes it is split over: the first operand's that has it."""
-    specs = [_mesh_spec(arg.sharding, mesh) for arg in arg_shapes]
+    specs = [mesh_axes(arg.sharding, mesh, arg.shape) for arg in arg_shapes]
     chosen: list[tuple[str, ...]] = []
     for k, n in enumerate(out_shape):
       names: tuple[str, ...] = ()
       for follow, spec in zip(follows, specs):
         if follow[k] and n != 1 and spec is not None:
-          entry = spec[k] if k < len(spec) else None
-          names = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+          names = spec[k]
           break
       shards = math.prod(mesh.shape[a] for a in names)
       whole = packing if k == last else 1
@@ -247,7 +246,7 @@ def _sharded(
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    axes = mesh_axes(mesh, arg_shapes)
+    axes = split_axes(mesh, arg_shapes)
     split = tuple(a for k, names in enumerate(axes) if reduced[k] for a in names)
     dim_cuts = cuts(mesh, axes)
 
@@ -273,7 +272,7 @@ def _sharded(
   partitioned.def_partition(
       partition,
       infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: result_shardings(
-          mesh, mesh_axes(mesh, arg_shapes)),
+          mesh, split_axes(mesh, arg_shapes)),
       sharding_rule=f"{', '.join(operands)} -> {', '.join(results)}",
       decode_shardings=False, **rule,
   )
@@ -326,22 +325,44 @@ def _combine_slots(outputs, k: int, cut: _Cut, names, length: int, combine, fill
   return combine(gathered, k + 1)
 
 
-def _mesh_spec(sharding: jax.sharding.Sharding, mesh) -> PartitionSpec | None:
-  """``sharding`` as mesh axes per dim; ``None`` where it splits a dim by part of an axis.
+def mesh_axes(sharding: jax.sharding.Sharding, mesh,
+              shape: tuple[int, ...]) -> tuple[tuple[str, ...], ...] | None:
+  """Per dim of an array of ``shape``, the mesh axes ``sharding`` splits it over, major first.
 
-  Shardy may split a reshaped operand by sub-axes (a block-view of x whose
-  shard edges cut blocks), which no ``PartitionSpec`` of the mesh names; such
-  an operand is then replicated (gathered), which gives the same bits.
+  A partition callback gets each operand's sharding as XLA's partitioner
+  holds it (an ``HloSharding`` wrapped as a ``jax.sharding.Sharding``, no
+  mesh axes named). It is matched by public API: each dim's shard count is
+  read off the devices' slices, and of the ways to split the dims over
+  distinct mesh axes with those counts, the one ``is_equivalent_to`` it is
+  taken. ``None`` where none is: Shardy may split a reshaped operand by part
+  of an axis (a block-view of x whose shard edges cut blocks), which no
+  ``PartitionSpec`` of the mesh names; such an operand is then replicated
+  (gathered), which gives the same bits.
+
+  Args:
+    sharding: an operand's or a result's sharding, as a partition callback gets it.
+    mesh: the mesh the callback gets.
+    shape: the array's shape.
+
+  Returns:
+    Per dim, the names of the mesh axes it is split over (``()``: whole), or
+    ``None`` where no ``PartitionSpec`` of ``mesh`` is equivalent to ``sharding``.
   """
   if isinstance(sharding, NamedSharding):
-    return sharding.spec
-  try:
-    # JAX's own decoding of an HloSharding into mesh axes (what
-    # custom_partitioning's decode_shardings=True does, without raising).
-    (spec,) = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)  # noqa: SLF001
-  except (ValueError, NotImplementedError, AttributeError):
-    return None
-  return spec
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    return tuple(() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec)
+  slices = sharding.devices_indices_map(tuple(shape)).values()
+  counts = [len({index[k].indices(n)[0] for index in slices}) for k, n in enumerate(shape)]
+  axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+  splits = [[names for r in range(len(axes) + 1) for names in itertools.permutations(axes, r)
+             if math.prod(mesh.shape[a] for a in names) == count] for count in counts]
+  for names in itertools.product(*splits):
+    used = [a for dim in names for a in dim]
+    if len(used) == len(set(used)) and NamedSharding(
+        mesh, PartitionSpec(*(dim or None for dim in names))).is_equivalent_to(
+            sharding, len(shape)):
+      return names
+  return None
 
 
 def _codes(packed: jax.Array, per_byte: int) -> jax.Array:

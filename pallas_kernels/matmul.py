@@ -9,20 +9,31 @@ dequantizes them on chip with the caller's formula (jaxquant's
 the float weight never exists in HBM, which holds half a byte per 4-bit
 weight. K is whole in every program, so each output element is one dot
 over all of K, the same sum as the XLA twin's.
+
+Under ``jax.jit`` with sharded operands the call is partitioned
+(:func:`_partitioned`): each device runs the kernel on its rows of x and its
+N rows of the weight, K whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 
 import jax
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
+from pallas_kernels import _blockwise
 from pallas_kernels import _platforms
+from pallas_kernels import _tiling
 
 Formula = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 # dot_general's dimension numbers for x (M, K) against W (N, K).
@@ -92,8 +103,12 @@ def dequantize_matmul(
   :math:`f` the caller's dequantization formula, in float32 at full
   precision.
 
+  Under ``jax.jit`` each device computes its block of y from its rows of x
+  and of the weight (x split along its leading dims, the weight along N);
+  K is never split (:func:`_partitioned`).
+
   Args:
-    x: float32 activations (M, K).
+    x: float32 activations (..., K).
     packed: uint8 (N, K * bits / 8): each row's codes, LSB first.
     scales: (N, K / block_size).
     zero_points: uint8 codes (N, K / block_size).
@@ -106,7 +121,7 @@ def dequantize_matmul(
     interpret: run in Pallas interpret mode on every platform.
 
   Returns:
-    float32 (M, N).
+    float32 (..., N).
 
   Example:
     >>> import jax.numpy as jnp
@@ -120,19 +135,105 @@ def dequantize_matmul(
     ...     formula=formula, block_size=16, bits=4, interpret=True)
     Array([[-48., -24.]], dtype=float32)
   """
-  arrays = (x, packed, scales, zero_points)
   options = dict(formula=formula, block_size=block_size, bits=bits)
-  if backend is not None:
-    return _call(*arrays, backend=backend, interpret=interpret, **options)
 
-  def on(backend, *, interpret):
-    return lambda *arrays: [_call(*arrays, backend=backend, interpret=interpret, **options)]
+  def kernel(x, packed, scales, zero_points):
+    """The kernel on these arrays: whole, or one device's shards of them."""
+    rows = x.reshape(-1, x.shape[-1])
+    if backend is not None:
+      y = _call(rows, packed, scales, zero_points, backend=backend, interpret=interpret,
+                **options)
+    else:
+      def on(backend, *, interpret):
+        return lambda *arrays: [_call(*arrays, backend=backend, interpret=interpret, **options)]
 
-  (y,) = _platforms.per_platform(
-      arrays, tpu=on("tpu", interpret=interpret), cuda=on("triton", interpret=interpret),
-      default=on("tpu", interpret=True),
+      (y,) = _platforms.per_platform(
+          (rows, packed, scales, zero_points), tpu=on("tpu", interpret=interpret),
+          cuda=on("triton", interpret=interpret), default=on("tpu", interpret=True),
+      )
+    return y.reshape(x.shape[:-1] + (packed.shape[0],))
+
+  return _partitioned(kernel, x, packed, scales, zero_points)
+
+
+def _partitioned(kernel: Callable[..., jax.Array], x: jax.Array,
+                 *weight: jax.Array) -> jax.Array:
+  """``kernel(x, *weight)``, run on each device's shards under ``jax.jit``.
+
+  XLA cannot see into a ``pallas_call`` and would gather its operands. The
+  call is a ``custom_partitioning`` whose Shardy rule pairs x's leading dims
+  and the weight's N (``packed``, ``scales`` and ``zero_points`` alike) with
+  the result's; each device runs ``kernel`` on its rows of x and its rows of
+  the weight and returns its block of the result. K, the contracted dim, is
+  whole on every device: split, each device would sum a part of every output
+  and the float partials, added across devices, would round differently from
+  one device's dot, so an x split along K is gathered along K instead. A dim
+  that does not split evenly is replicated (gathered) too. On one device,
+  inside ``shard_map`` and for symbolic shapes the call is ``kernel`` itself.
+  Under ``vmap`` a batched x is more rows; a batched weight runs the kernel's
+  own batching rule, unpartitioned.
+
+  Args:
+    kernel: the kernel call, a function of x (..., K) and the weight's arrays
+      (each (N, ...)) of any consistent shapes, returning (..., N).
+    x: the activations.
+    *weight: the packed weight, its scales and its zero points.
+
+  Returns:
+    ``kernel(x, *weight)``, split along x's leading dims as x is and along N
+    as the weight is.
+  """
+  if any(_tiling.symbolic(n) for a in (x, *weight) for n in a.shape):
+    return kernel(x, *weight)
+  out_shape = (*x.shape[:-1], weight[0].shape[0])
+
+  def decode(mesh, arg) -> tuple[tuple[str, ...], ...]:
+    """Per dim of ``arg``, the mesh axes its sharding splits it over."""
+    return _blockwise.mesh_axes(arg.sharding, mesh, arg.shape) or ((),) * len(arg.shape)
+
+  def even(mesh, per_dim) -> list[tuple[str, ...]]:
+    """Per dim of the result, its axes where it splits evenly over axes no earlier dim has."""
+    kept: list[tuple[str, ...]] = []
+    for length, names in zip(out_shape, per_dim):
+      taken = {a for k in kept for a in k}
+      fits = length % math.prod(mesh.shape[a] for a in names) == 0
+      kept.append(names if fits and not set(names) & taken else ())
+    return kept
+
+  def spec(*per_dim) -> PartitionSpec:
+    return PartitionSpec(*(names or None for names in per_dim))
+
+  def infer(mesh, arg_shapes, result_shape):
+    # x's leading dims as x is split, N as the packed weight is.
+    del result_shape
+    x_axes, weight_axes = decode(mesh, arg_shapes[0]), decode(mesh, arg_shapes[1])
+    return NamedSharding(mesh, spec(*even(mesh, [*x_axes[:-1], weight_axes[0]])))
+
+  def partition(mesh, arg_shapes, result_shape):
+    # The result's sharding, as propagation chose it; the operands follow.
+    del arg_shapes
+    *rows, columns = even(mesh, decode(mesh, result_shape))
+    return mesh, kernel, NamedSharding(mesh, spec(*rows, columns)), (
+        NamedSharding(mesh, spec(*rows, ())),
+        *(NamedSharding(mesh, spec(columns, ())) for _ in weight))
+
+  partitioned = custom_partitioning(kernel)
+  leading = " ".join(f"m{d}" for d in range(x.ndim - 1))
+  partitioned.def_partition(
+      partition, infer_sharding_from_operands=infer,
+      sharding_rule=f"{leading} k, n j, n b, n b -> {leading} n",
+      need_replication_factors=("k", "j", "b"), decode_shardings=False,
   )
-  return y
+  batchable = custom_vmap(partitioned)
+
+  @batchable.def_vmap
+  def _(axis_size, in_batched, x, *weight):
+    del axis_size
+    if any(in_batched[1:]):
+      return jax.vmap(kernel, in_axes=[0 if b else None for b in in_batched])(x, *weight), True
+    return _partitioned(kernel, x, *weight), True
+
+  return batchable(x, *weight)
 
 
 def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend, interpret):
@@ -199,7 +300,7 @@ def dequantize_matmul_reference(
       :func:`dequantize_matmul`.
 
   Returns:
-    float32 (M, N).
+    float32 (..., N).
 
   Example:
     >>> import jax.numpy as jnp
@@ -213,5 +314,5 @@ def dequantize_matmul_reference(
   """
   codes = unpack_codes(packed, bits)
   weight = formula(codes, _expand(scales, block_size), _expand(zero_points, block_size))
-  return lax.dot_general(x, weight, _TRANSPOSED_RHS, precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

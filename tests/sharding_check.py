@@ -161,6 +161,47 @@ def jit_cases(mesh_name):
                f.lower(argument).compile().as_text(), x_sharding, shard_elements // 2)
 
 
+def matmul_nbits_cases():
+  """matmul_nbits: a split along its rows, the packed weight along N, K whole.
+
+  Every device keeps at least 2 rows and 64 columns of the output: XLA:CPU's
+  dot (the XLA path's, and the kernel's in interpret mode) sums a
+  matrix-vector product, or fewer than 64 columns, in another order than a
+  larger product, so narrower shards differ from one device in the last bit
+  on both paths alike (docs/sharding.md).
+  """
+  k, block_size, bits = 256, 32, 4
+  cases = [  # (mesh, what is split, a's shape, a's spec, N, the weight's spec, the output's)
+      ("2d", "rows+N", (16, k), P("r", None), 256, P("c"), P("r", "c")),
+      ("2d", "batch+N", (4, 8, k), P("r", None, None), 256, P("c"), P("r", None, "c")),
+      ("1d", "rows", (16, k), P("c", None), 256, P(), P("c", None)),
+      ("1d", "N", (16, k), P(), 512, P("c"), P(None, "c")),
+      ("1d", "K", (16, k), P(None, "c"), 256, P(), P()),  # gathered along K
+  ]
+  rng = np.random.default_rng(5)
+  for mesh_name, layout, a_shape, a_spec, n, weight_spec, out_spec in cases:
+    shape, names, _ = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    weight = (rng.integers(0, 256, (n, k // block_size, block_size * bits // 8), np.uint8),
+              rng.uniform(0.01, 0.05, (n, k // block_size)).astype(np.float32),
+              rng.integers(0, 256, (n, k // block_size * bits // 8), np.uint8))
+    arguments = (jax.device_put(a, NamedSharding(mesh, a_spec)),
+                 *(jax.device_put(w, NamedSharding(mesh, weight_spec)) for w in weight))
+    # XLA splits K itself and adds the float partials across devices (another order).
+    for implementation in ("xla", "pallas") if layout != "K" else ("pallas",):
+      f = jax.jit(functools.partial(
+          jq.matmul_nbits, K=k, N=n, bits=bits, block_size=block_size,
+          implementation=implementation))
+      calls = [(f"jit {mesh_name} {implementation} matmul_nbits {layout} -", f)]
+      if layout == "batch+N":
+        calls.append((f"jit {mesh_name} {implementation} vmap(matmul_nbits) {layout} -",
+                      jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))))
+      for case, call in calls:
+        report(case, call(*arguments), call(a, *weight), call.lower(*arguments).compile().as_text(),
+               NamedSharding(mesh, out_spec), min(a.size, weight[1].size) // mesh.size)
+
+
 def vmap_cases():
   """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
   shape, names, _ = MESHES["2d"]
@@ -277,6 +318,7 @@ if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   for mesh_name in MESHES:
     jit_cases(mesh_name)
+  matmul_nbits_cases()
   vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()

@@ -50,7 +50,7 @@ def test_every_case_ran(cases):
   ops = {name.split()[3] for name in cases if name.startswith("jit")}
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
           "fake_quantize", "fake_quantize_learnable", "dynamic_quantize_linear",
-          "fake_quantize_dynamic", "quantized_add"} <= ops, ops
+          "fake_quantize_dynamic", "quantized_add", "matmul_nbits"} <= ops, ops
   assert any(name.startswith("jit 2d") for name in cases)
   assert any(name.startswith("shard_map") for name in cases)
   assert any("pack rows" in name for name in cases)
@@ -119,6 +119,11 @@ def test_packed_rows_cut_by_a_shard_edge_gather(cases):
   assert cut and all(case["collectives"] and case["equal"] for case in cut)
 
 
+def _splits_k(name: str) -> bool:
+  """matmul_nbits with a split along K, the contracted dim."""
+  return "matmul_nbits" in name and name.endswith(" K -")
+
+
 def _pallas_cuts_blocks(name: str) -> bool:
   """The 1-D mesh's 24- and 25-column shards against blocks of 16."""
   return " pallas " in name and " 1d " in name and ("straddling" in name or "ragged" in name)
@@ -128,10 +133,12 @@ def _pallas_cuts_blocks(name: str) -> bool:
 def test_pallas_under_jit_runs_one_kernel_per_shard(cases):
   """custom_partitioning: each device runs the kernel on its shard, x is never gathered."""
   pallas = {name: case for name, case in cases.items()
-            if name.startswith("jit") and " pallas " in name and not _cuts_bytes(name)}
+            if name.startswith("jit") and " pallas " in name and not _cuts_bytes(name)
+            and not _splits_k(name)}
   ops = {name.split()[3] for name in pallas}
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
-          "dynamic_quantize_linear", "quantized_add"} <= ops, ops
+          "dynamic_quantize_linear", "quantized_add", "matmul_nbits",
+          "vmap(matmul_nbits)"} <= ops, ops
   for mesh in ("1d", "2d"):
     for layout in ("per-tensor", "per-axis", "blocked"):
       assert any(f" {mesh} " in name and f" {layout} " in name for name in pallas)
@@ -158,6 +165,19 @@ def test_pallas_blocks_cut_by_shards_gather_no_data(cases):
   assert all(case["equal"] and case["sharding"] for case in cut.values()), cut
   assert {name: case["collectives"] for name, case in cut.items()
           if case["collectives"]} == {}
+
+
+@pytest.mark.slow
+def test_matmul_nbits_kernel_split_along_k_gathers_a_along_k(cases):
+  """K stays whole in each device's kernel: a split along K is gathered, never summed in parts.
+
+  Float partials added across devices would round differently from one
+  device's dot; the gather is of a alone.
+  """
+  split = {name: case for name, case in cases.items() if _splits_k(name)}
+  assert split and all(case["equal"] for case in split.values()), split
+  assert {name: [c for c in case["collectives"] if not c.startswith("all-gather f32")]
+          for name, case in split.items()} == {name: [] for name in split}
 
 
 @pytest.mark.parametrize("dtype, bits", [("int4", 4), ("int2", 2), ("float6_e2m3fn", 6)])
