@@ -1,13 +1,16 @@
-"""Quantized linear layers against float32 and onnxruntime, interleaved, in one run.
+"""Quantized linear layers against float32, qwix and onnxruntime, interleaved, in one run.
 
-    python benchmarks/matmul.py [--rows 1 8 64 256 1024] [--features 1024] [--repeats 21]
+    python benchmarks/matmul.py [--rows 1 16 64 256 1024] [--features 1024] [--batch 8]
+                                [--repeats 21]
 
-Two layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
+Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
 
-* dynamic int8: x quantized per tensor to uint8 at every call (ONNX
-  DynamicQuantizeLinear), W int8 per column, symmetric.
+* dynamic int8: x quantized to int8 at every call, W stored int8 per column.
     - ``float32``: ``x @ w`` in float32, the bar every ratio is against;
-    - ``jaxquant``: ``dynamic_quantize_linear`` + ``quantized_dot_general``;
+    - ``jaxquant``: ``dot_general_dynamic_int8`` (symmetric, one scale per
+      row of x) on a stored int8 :class:`QuantizedArray`;
+    - ``jaxquant, ONNX model``: ``dynamic_quantize_linear`` (per tensor,
+      uint8) + ``quantized_dot_general``, onnxruntime's model bit for bit;
     - ``jnp, ONNX way``: the same quantization, then ``dot_general(uint8,
       int8, preferred_element_type=int32)`` minus the zero point's column sums,
       as a user writes MatMulInteger by hand;
@@ -15,16 +18,24 @@ Two layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``-
       the float layer (DynamicQuantizeLinear + MatMulInteger, fused by its
       optimizer), per-column int8 weights;
     - ``qwix`` (only where qwix imports; it is no dependency): x quantized
-      per tensor at every call, W per column, ``qwix.dot_general``.
+      per row at every call, W per column, ``qwix.dot_general``.
 * weight-only int4: W in blocks of 32 along K, packed two per byte.
-    - ``jaxquant``: ``matmul_nbits`` (XLA);
+    - ``jaxquant``: ``dot_general_weight_only`` on a packed int4
+      :class:`QuantizedArray` (``quantize_params``, ``axis=0, block_size=32``);
+    - ``matmul_nbits``: onnxruntime's layout (uint4 codes, zero point 8), XLA;
     - ``jnp``: unpack the nibbles and dequantize with jnp, then ``x @ w``;
     - ``onnxruntime``: a MatMulNBits node on the same bytes;
     - ``qwix`` (where it imports): W as qwix int4 in blocks of 32 along K,
       ``qwix.dot_general`` with float x.
+* batched dynamic int8, shaped as a mixture of experts: ``x`` (B, M, K), M
+  rows for each of B = ``--batch`` experts, and one stored int8 weight per
+  expert, (B, K, N) per column; ``dot_general_dynamic_int8`` with a batch dim
+  (qwix: its weight per expert and column, x per row), for M <= 256 (beyond,
+  the int8 product runs as a bfloat16 dot, batched or not).
 
-Before timing, jaxquant's dynamic int8 layer is checked bit for bit against
-the onnxruntime model, and ``matmul_nbits`` against onnxruntime's MatMulNBits
+Before timing, the ONNX-model layer is checked bit for bit against
+onnxruntime, the weight-only layer against ``lax.dot_general`` of the
+dequantized weight, and ``matmul_nbits`` against onnxruntime's MatMulNBits
 to float32 summation error. Reported: the median of ``--repeats`` calls, each
 peer timed in turn within every repeat, and its ratio to float32 (< 1 is
 faster), with the load average before and after. The machines here are
@@ -54,6 +65,8 @@ except ImportError:
   qwix = None
 
 _DIMS = (((1,), (0,)), ((), ()))
+# (B, M, K) x (B, K, N): one weight per batch (expert).
+_BATCHED = (((2,), (1,)), ((0,), (0,)))
 BLOCK = 32
 
 
@@ -90,7 +103,7 @@ def dynamic_int8(weight: np.ndarray, path: str):
       weight_zero_point.reshape(1, -1))
 
   @jax.jit
-  def layer(x, weight_q):
+  def onnx_layer(x, weight_q):
     q, scale, zero_point = jq.dynamic_quantize_linear(x)
     return jq.quantized_dot_general(
         q, weight_q, _DIMS, lhs_scale=scale, lhs_zero_point=zero_point,
@@ -103,7 +116,7 @@ def dynamic_int8(weight: np.ndarray, path: str):
     accumulator -= zero_point.astype(jnp.int32) * jnp.sum(weight_q, 0, dtype=jnp.int32)
     return accumulator.astype(jnp.float32) * (scale * weight_scale)
 
-  return _session(model), jnp.asarray(weight_q), layer, onnx_way
+  return _session(model), jnp.asarray(weight_q), onnx_layer, onnx_way
 
 
 def int4_blocked(weight: np.ndarray):
@@ -148,9 +161,18 @@ def _qwix_layers(weight: np.ndarray):
   int8_weight = qwix.quantize(jnp.asarray(weight), jnp.int8, channelwise_axes=(1,))
   int4_weight = qwix.quantize(jnp.asarray(weight), jnp.int4, channelwise_axes=(1,),
                               tiled_axes={0: BLOCK})
-  dynamic = jax.jit(lambda x, w: qwix.dot_general(qwix.quantize(x, jnp.int8), w, _DIMS))
+  dynamic = jax.jit(lambda x, w: qwix.dot_general(
+      qwix.quantize(x, jnp.int8, channelwise_axes=(0,)), w, _DIMS))
   weight_only = jax.jit(lambda x, w: qwix.dot_general(x, w, _DIMS))
   return (lambda x: dynamic(x, int8_weight)), (lambda x: weight_only(x, int4_weight))
+
+
+def _qwix_batched(weight: jax.Array):
+  """qwix's batched dynamic int8 layer: x per row, the weight per batch and column."""
+  quantized = qwix.quantize(weight, jnp.int8, channelwise_axes=(0, 2))
+  layer = jax.jit(lambda x, w: qwix.dot_general(
+      qwix.quantize(x, jnp.int8, channelwise_axes=(0, 1)), w, _BATCHED))
+  return lambda x: layer(x, quantized)
 
 
 def _load() -> str:
@@ -171,8 +193,9 @@ def _medians(peers: dict, repeats: int) -> dict[str, float]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
+  parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
   parser.add_argument("--features", type=int, default=1024)
+  parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=21)
   parser.add_argument("--model-path", default="/tmp/jaxquant_matmul_benchmark.onnx")
   args = parser.parse_args()
@@ -181,9 +204,20 @@ def main() -> None:
   weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
   w = jnp.asarray(weight)
   float32 = jax.jit(lambda x, w: x @ w)
-  int8_session, weight_q, int8_layer, int8_onnx_way = dynamic_int8(weight, args.model_path)
-  int4_session, packed, int4_layer, int4_by_hand = int4_blocked(weight)
+  int8_session, weight_q, int8_onnx_layer, int8_onnx_way = dynamic_int8(weight, args.model_path)
+  int8_weight = jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int8))
+  int8_layer = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, _DIMS))
+  int4_weight = jq.quantize_params(
+      w, jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=BLOCK))
+  int4_layer = jax.jit(lambda x, w: jq.dot_general_weight_only(x, w, _DIMS))
+  int4_session, packed, nbits_layer, int4_by_hand = int4_blocked(weight)
   qwix_int8, qwix_int4 = _qwix_layers(weight) if qwix is not None else (None, None)
+  batched_weight = jnp.asarray(
+      rng.standard_normal((args.batch, k, n)).astype(np.float32) / np.sqrt(k))
+  batched_int8_weight = jq.quantize_params(batched_weight, jq.QuantizationRule(dtype=jnp.int8))
+  batched_float32 = jax.jit(lambda x, w: lax.dot_general(x, w, _BATCHED))
+  qwix_batched = _qwix_batched(batched_weight) if qwix is not None else None
+  batched_int8 = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, _BATCHED))
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
         f"{jax.device_count()} CPU device(s); K = N = {k}; median of {args.repeats}; "
@@ -194,25 +228,36 @@ def main() -> None:
     x_host = rng.standard_normal((m, k)).astype(np.float32)
     x = jnp.asarray(x_host)
     (expected,) = int8_session.run(None, {"x": x_host})
-    np.testing.assert_array_equal(int8_layer(x, weight_q), expected)
+    np.testing.assert_array_equal(int8_onnx_layer(x, weight_q), expected)
+    np.testing.assert_array_equal(
+        int4_layer(x, int4_weight), lax.dot_general(x, int4_weight.dequantize(), _DIMS))
     (expected,) = int4_session.run(None, {"x": x_host})
-    np.testing.assert_allclose(int4_layer(x, packed), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(nbits_layer(x, packed), expected, rtol=1e-4, atol=1e-4)
     cases = {
         "dynamic int8": {
             "float32": lambda: float32(x, w),
-            "jaxquant": lambda: int8_layer(x, weight_q),
+            "jaxquant": lambda: int8_layer(x, int8_weight),
+            "jaxquant, ONNX model": lambda: int8_onnx_layer(x, weight_q),
             "jnp, ONNX way": lambda: int8_onnx_way(x, weight_q),
             "onnxruntime": lambda: int8_session.run(None, {"x": x_host}),
             **({"qwix": lambda: qwix_int8(x)} if qwix_int8 else {}),
         },
         "weight-only int4": {
             "float32": lambda: float32(x, w),
-            "jaxquant": lambda: int4_layer(x, packed),
+            "jaxquant": lambda: int4_layer(x, int4_weight),
+            "matmul_nbits": lambda: nbits_layer(x, packed),
             "jnp": lambda: int4_by_hand(x, packed),
             "onnxruntime": lambda: int4_session.run(None, {"x": x_host}),
             **({"qwix": lambda: qwix_int4(x)} if qwix_int4 else {}),
         },
     }
+    if m <= 256:
+      xb = jnp.asarray(rng.standard_normal((args.batch, m, k)).astype(np.float32))
+      cases[f"batched dynamic int8, B = {args.batch}"] = {
+          "float32": lambda: batched_float32(xb, batched_weight),
+          "jaxquant": lambda: batched_int8(xb, batched_int8_weight),
+          **({"qwix": lambda: qwix_batched(xb)} if qwix_batched else {}),
+      }
     for layer, peers in cases.items():
       medians = _medians(peers, args.repeats)
       for name, ms in medians.items():

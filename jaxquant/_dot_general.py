@@ -279,10 +279,34 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
+def _dequantized(weight: _params.QuantizedArray) -> jax.Array:
+  """``weight.dequantize()``, bit for bit; packed 2- and 4-bit integers read as 8-bit ones.
+
+  :func:`_matmul.unpack_integers` unpacks whole 32-bit words, several times
+  faster on XLA:CPU than ``unpack``; the int8 (uint8) values and zero point
+  are the same numbers, so ``dequantize_linear``'s formula gives the same floats.
+  """
+  info = _dtypes.quantized_dtype("dtype", weight.dtype)
+  # Whole words: of the flat bit stream, or of each row (pack(layout="rows")).
+  per_row = int(np.prod(weight.shape)) if weight.values.ndim == 1 else weight.shape[-1]
+  if not (weight.packed and info.is_integer and info.bits in (2, 4)
+          and per_row * info.bits % 32 == 0):
+    return weight.dequantize()
+  signed = info.min < 0
+  values = _matmul.unpack_integers(weight.values, info.bits, signed=signed).reshape(weight.shape)
+  zero_point = weight.zero_point
+  if zero_point is not None:
+    zero_point = zero_point.astype(jnp.int8 if signed else jnp.uint8)
+  return _linear.dequantize_linear(
+      values, weight.scale, zero_point, axis=weight.axis, block_size=weight.block_size,
+      output_dtype=weight.output_dtype,
+  )
+
+
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
   """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
   if isinstance(rhs, _params.QuantizedArray):
-    return rhs.dequantize()
+    return _dequantized(rhs)
   rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
   contracting = [d % rhs.ndim for d in contracting]
   _validate.check(

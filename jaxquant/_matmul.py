@@ -115,32 +115,40 @@ _EXACT_FLOAT_DEPTH = 1024
 # which reads the int8 weight as it is; the bfloat16 dot first writes a
 # bfloat16 copy of it. Measured at K = N = 1024: the int8 dot is clearly faster
 # up to ~200 rows, the two are within noise near 256, and the bfloat16 dot is
-# faster from ~512 (benchmarks/matmul.py; docs/numerics.md).
+# faster from ~512 (benchmarks/matmul.py; docs/numerics.md). The same holds
+# per batch of a batched product (rows per batch against a per-batch weight).
 _INT8_DOT_MAX_ROWS = 256
 
 
-def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int) -> jax.Array:
-  """The int8 x int8 -> int32 dot of an unbatched ``lhs`` as a matrix of at least two rows.
+def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
+  """The int8 x int8 -> int32 dot with ``lhs`` as ``(batch..., rows, K)``, rows >= 2.
 
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
-  an int32 copy of ``rhs``: a zero row is appended, and dropped after.
+  an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
+  zero row is appended, and dropped after.
   """
-  free = tuple(d for d in range(lhs.ndim) if d != lhs_k)
+  ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
+  free = tuple(d for d in range(lhs.ndim) if d != lhs_k and d not in lhs_batch)
+  batch_shape = tuple(lhs.shape[d] for d in lhs_batch)
   free_shape = tuple(lhs.shape[d] for d in free)
   rows = math.prod(free_shape)
-  matrix = jnp.transpose(lhs, free + (lhs_k,)).reshape(rows, lhs.shape[lhs_k])
+  matrix = jnp.transpose(lhs, lhs_batch + free + (lhs_k,)).reshape(
+      batch_shape + (rows, lhs.shape[lhs_k]))
   if rows == 1:
-    matrix = jnp.concatenate([matrix, jnp.zeros_like(matrix)])
-  product = lax.dot_general(matrix, rhs, (((1,), (rhs_k,)), ((), ())),
-                            preferred_element_type=jnp.int32)
-  return product[:rows].reshape(free_shape + product.shape[1:])
+    matrix = jnp.concatenate([matrix, jnp.zeros_like(matrix)], axis=-2)
+  batch = len(lhs_batch)
+  product = lax.dot_general(
+      matrix, rhs, (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch)),
+      preferred_element_type=jnp.int32)
+  product = lax.slice_in_dim(product, 0, rows, axis=batch)
+  return product.reshape(batch_shape + free_shape + product.shape[batch + 1:])
 
 
 def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   """``dot_general`` of int8 (or int32) operands, accumulated exactly, wrapping in int32.
 
-  On XLA:CPU an unbatched product of at most :data:`_INT8_DOT_MAX_ROWS`
-  (static) rows of lhs runs as the int8 dot (:func:`_int8_rows_dot`); a larger one
+  On XLA:CPU a product of at most :data:`_INT8_DOT_MAX_ROWS` (static) rows
+  of lhs per batch runs as the int8 dot (:func:`_int8_rows_dot`); a larger one
   as a bfloat16 x bfloat16 -> float32 dot, which is exact for int8 values:
   bfloat16 holds every int8, each product is exact in float32, and each
   partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
@@ -153,10 +161,10 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
       or len(lhs_contracting) != 1):
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
   (lhs_k,), (rhs_k,) = lhs_contracting, rhs_contracting
-  rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k)
+  rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k and d not in lhs_batch)
   # A symbolic row count (jax.export) may be large: the bfloat16 dot.
-  if not lhs_batch and isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
-    return _int8_rows_dot(lhs, rhs, lhs_k, rhs_k)
+  if isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
+    return _int8_rows_dot(lhs, rhs, dimension_numbers)
   depth = lhs.shape[lhs_k]
   chunks = -(-depth // _EXACT_FLOAT_DEPTH)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
@@ -234,6 +242,27 @@ def integer_dot(
     depth = depth.view(np.int32)
     accumulator = accumulator + depth * to_lhs(lhs_zero_point) * to_rhs(rhs_zero_point)
   return accumulator
+
+
+def unpack_integers(packed: jax.Array, bits: int, *, signed: bool) -> jax.Array:
+  """Packed 2- or 4-bit integers as int8 (uint8), LSB first: ``(..., n)`` -> ``(..., 8n / bits)``.
+
+  Each four bytes (``n % 4 == 0``) are read as one little-endian 32-bit word,
+  and each of its fields is shifted to the top bits and back down,
+  arithmetically when ``signed``. Every lane reads whole contiguous words,
+  which XLA:CPU vectorizes; interleaving stacked halves (``unpack``,
+  ``unpack_codes``) and converting from int4 compile to code that writes an
+  element at a time: a packed 1024 x 1024 int4 weight dequantized to float32
+  in 0.14 ms against 0.45 ms (benchmarks/matmul.py).
+  """
+  words = lax.bitcast_convert_type(packed.reshape(packed.shape[:-1] + (-1, 4)), jnp.int32)
+  words = jnp.broadcast_to(words[..., None], words.shape + (32 // bits,))
+  # Field j moves up by 32 - (j + 1) * bits, to the top. From an iota, not a
+  # constant array, whose lanes XLA:CPU loads one by one (0.85 against 0.15 ms).
+  up = (32 - bits) - bits * lax.broadcasted_iota(jnp.int32, words.shape, words.ndim - 1)
+  down = lax.shift_right_arithmetic if signed else lax.shift_right_logical
+  fields = down(lax.shift_left(words, up), np.int32(32 - bits))
+  return fields.astype(jnp.int8 if signed else jnp.uint8).reshape(packed.shape[:-1] + (-1,))
 
 
 def _operand(name, x, zero_point):
@@ -789,8 +818,10 @@ def nbits_inputs(b, scales, zero_points, *, K, N, bits, block_size):
 def nbits_weight(packed, scales, zero_points, *, K, bits, block_size):
   """The ``(N, K)`` float32 weight of :func:`nbits_inputs`' arrays, as ``dequantize_linear``."""
   n, blocks = scales.shape
-  # Each row's blocks are whole bytes, so each row unpacks on its own.
-  codes = pallas_kernels.matmul.unpack_codes(packed, bits)[:, :K]
+  # Each row's blocks are whole 32-bit words (block_size * bits >= 32), so
+  # each row unpacks on its own.
+  codes = packed if bits == 8 else unpack_integers(packed, bits, signed=False)
+  codes = codes[:, :K]
   if jnp.issubdtype(zero_points.dtype, jnp.floating):
     # Float zero points: (q - zp) * scale in float32, each operation rounded once.
     steps = jnp.repeat(jnp.arange(blocks), block_size)[:K]

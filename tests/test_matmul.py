@@ -160,6 +160,71 @@ def test_int8_path_chosen_by_rows():
       assert (f"bf16[{k},{n}]" in hlo) == copies, (m, hlo)
 
 
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers", [
+    ((3, 1, 37), (3, 37, 5), (((2,), (1,)), ((0,), (0,)))),        # one row per batch
+    ((3, 4, 37), (37, 3, 5), (((2,), (0,)), ((0,), (1,)))),        # rhs batch dim not first
+    ((37, 3, 2, 4), (3, 37, 5), (((0,), (1,)), ((1,), (0,)))),     # rows on both sides of batch
+    ((2, 3, 4, 1029), (2, 3, 1029, 6), (((3,), (2,)), ((0, 1), (0, 1)))),  # two batch dims
+    ((2, 0, 10), (2, 10, 6), (((2,), (1,)), ((0,), (0,)))),        # no rows
+])
+def test_batched_int8_dot_reads_int8_and_is_exact(lhs_shape, rhs_shape, dimension_numbers):
+  """A batched product of few rows per batch is the int8 dot too (no bfloat16 copy), exact."""
+  rng = np.random.default_rng(len(lhs_shape) + lhs_shape[-1])
+  lhs, rhs = _integers(rng, np.int8, lhs_shape), _integers(rng, np.int8, rhs_shape)
+  exact = jax.lax.dot_general(lhs.astype(np.int64) if jax.config.x64_enabled else
+                              lhs.astype(np.int32), rhs.astype(np.int32), dimension_numbers)
+  call = jax.jit(lambda a, b: jq._matmul._int8_dot(a, b, dimension_numbers))
+  np.testing.assert_array_equal(call(lhs, rhs), exact)
+  if jax.default_backend() == "cpu":
+    assert "bf16[" not in call.lower(lhs, rhs).compile().as_text()
+
+
+def test_batched_int8_dot_of_many_rows_runs_in_bfloat16():
+  rng = np.random.default_rng(13)
+  rows = jq._matmul._INT8_DOT_MAX_ROWS + 1
+  lhs, rhs = _integers(rng, np.int8, (2, rows, 40)), _integers(rng, np.int8, (2, 40, 3))
+  numbers = (((2,), (1,)), ((0,), (0,)))
+  call = jax.jit(lambda a, b: jq._matmul._int8_dot(a, b, numbers))
+  np.testing.assert_array_equal(
+      call(lhs, rhs), np.einsum("bmk,bkn->bmn", lhs.astype(np.int32), rhs.astype(np.int32)))
+  if jax.default_backend() == "cpu":
+    assert "bf16[2,40,3]" in call.lower(lhs, rhs).compile().as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2, jnp.uint2])
+def test_unpack_integers_is_unpack(dtype):
+  """Word-wise unpacking gives unpack's numbers, flat and per row."""
+  rng = np.random.default_rng(jnp.iinfo(dtype).bits)
+  packed = rng.integers(0, 256, (3, 16)).astype(np.uint8)
+  info = jnp.iinfo(dtype)
+  got = jq._matmul.unpack_integers(packed, info.bits, signed=info.min < 0)
+  assert got.dtype == (np.int8 if info.min < 0 else np.uint8)
+  expected = jq.unpack(packed.reshape(-1), (3, 16 * 8 // info.bits), dtype)
+  np.testing.assert_array_equal(got, np.asarray(expected).astype(got.dtype))
+
+
+@pytest.mark.parametrize("rule", [
+    jq.QuantizationRule(dtype=jnp.int4),
+    jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32),
+    jq.QuantizationRule(dtype=jnp.uint4, method="minmax"),
+    jq.QuantizationRule(dtype=jnp.int4, method="minmax", axis=0, block_size=16),
+    jq.QuantizationRule(dtype=jnp.int2),
+    jq.QuantizationRule(dtype=jnp.uint2, method="minmax", axis=0, block_size=16),
+])
+@pytest.mark.parametrize("shape", [(64, 48), (33, 7)])  # whole words, and not (dequantize())
+def test_weight_only_stored_packed_weight_is_its_dequantize(rule, shape):
+  """dot_general_weight_only's word-wise unpacking of a stored weight: dequantize()'s bits."""
+  rng = np.random.default_rng(shape[1])
+  weight = jq.quantize_params(rng.standard_normal(shape).astype(np.float32), rule)
+  expected = np.asarray(weight.dequantize())
+  for dequantized in (jq._dot_general._dequantized, jax.jit(jq._dot_general._dequantized)):
+    got = np.asarray(dequantized(weight))
+    np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
+  x = rng.standard_normal((3, shape[0])).astype(np.float32)
+  np.testing.assert_array_equal(jq.dot_general_weight_only(x, weight, _DIMS),
+                                jax.lax.dot_general(x, weight.dequantize(), _DIMS))
+
+
 @pytest.mark.slow  # twenty shapes, each compiled and run in both oracles
 def test_qlinear_matmul_matches_onnxruntime_and_reference():
   """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
@@ -510,5 +575,5 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
       env={**os.environ, "PYTHONPATH": str(root)},
   )
   rows = [line for line in result.stdout.splitlines() if line.startswith("| dynamic int8 | 2")]
-  assert len(rows) == 4 + ("qwix not installed" not in result.stdout), result.stdout
+  assert len(rows) == 5 + ("qwix not installed" not in result.stdout), result.stdout
   assert result.stdout.count("load average") == 2, result.stdout
