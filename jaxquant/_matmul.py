@@ -863,11 +863,13 @@ def _nbits_kernel(a, packed, scales, zero_points, *, K, bits, block_size):
       info=_dtypes.quantized_dtype("bits", _NBITS_DTYPES[bits]),
       output_dtype=jnp.float32,
   )
-  y = pallas_kernels.dequantize_matmul(
-      a.astype(jnp.float32).reshape(-1, K), packed, scales, zero_points,
+  del K  # a's last dim
+  # a as it is, not its rows merged: under jax.jit the kernel is partitioned
+  # along each of a's leading dims as a is sharded.
+  return pallas_kernels.dequantize_matmul(
+      a.astype(jnp.float32), packed, scales, zero_points,
       formula=formula, block_size=block_size, bits=bits,
   )
-  return y.reshape(a.shape[:-1] + (scales.shape[0],))
 
 
 @_bind.op(
