@@ -15,16 +15,12 @@ call is lowered, so one jitted function serves every platform.
 from pallas_kernels.dequantize import dequantize as dequantize
 from pallas_kernels.dynamic_quantize import dynamic_quantize as dynamic_quantize
 from pallas_kernels.matmul import dequantize_matmul as dequantize_matmul
-from pallas_kernels.matmul import (
-    dequantize_matmul_reference as dequantize_matmul_reference,
-)
 from pallas_kernels.quantize import quantize as quantize
 from pallas_kernels.quantized_add import quantized_add as quantized_add
 
 __all__ = [
     "dequantize",
     "dequantize_matmul",
-    "dequantize_matmul_reference",
     "dynamic_quantize",
     "quantize",
     "quantized_add",

@@ -8,7 +8,7 @@ dequantizes them on chip with the caller's formula (jaxquant's
 ``dequantize_formula``), and feeds the float tile to the MXU / tensor cores:
 the float weight never exists in HBM, which holds half a byte per 4-bit
 weight. K is whole in every program, so each output element is one dot
-over all of K, the same sum as the XLA twin's.
+over all of K, the same sum as jaxquant's XLA path (``matmul_nbits``).
 
 Under ``jax.jit`` with sharded operands the call is partitioned
 (:func:`_partitioned`): each device runs the kernel on its rows of x and its
@@ -277,42 +277,3 @@ def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend,
       name="dequantize_matmul",
   )(x, packed, scales, zero_points)
   return y[:m, :n]
-
-
-def dequantize_matmul_reference(
-    x: jax.Array,
-    packed: jax.Array,
-    scales: jax.Array,
-    zero_points: jax.Array,
-    *,
-    formula: Formula,
-    block_size: int,
-    bits: int,
-) -> jax.Array:
-  r"""The pure-XLA twin of :func:`dequantize_matmul`: the weight dequantized in HBM, then a dot.
-
-  .. math::
-
-    y = x \, f(q, s, z)^\top
-
-  Args:
-    x, packed, scales, zero_points, formula, block_size, bits: as for
-      :func:`dequantize_matmul`.
-
-  Returns:
-    float32 (..., N).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import pallas_kernels
-    >>> def formula(codes, scales, zero_points):
-    ...   return (codes.astype(jnp.int32) - zero_points).astype(jnp.float32) * scales
-    >>> pallas_kernels.dequantize_matmul_reference(
-    ...     jnp.ones((1, 16)), jnp.full((2, 8), 0x19, jnp.uint8), jnp.array([[1.0], [0.5]]),
-    ...     jnp.full((2, 1), 8, jnp.uint8), formula=formula, block_size=16, bits=4)
-    Array([[-48., -24.]], dtype=float32)
-  """
-  codes = unpack_codes(packed, bits)
-  weight = formula(codes, _expand(scales, block_size), _expand(zero_points, block_size))
-  return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
-                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
