@@ -1,7 +1,7 @@
 """Quantized linear layers against float32, qwix and onnxruntime, interleaved, in one run.
 
     python benchmarks/matmul.py [--rows 1 16 64 256 1024] [--features 1024] [--batch 8]
-                                [--repeats 21]
+                                [--repeats 21] [--tune]
 
 Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
 
@@ -198,7 +198,11 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=21)
   parser.add_argument("--model-path", default="/tmp/jaxquant_matmul_benchmark.onnx")
+  parser.add_argument("--tune", action="store_true",
+                      help="jaxquant.tune_cpu() first: no page faults for results over 32 MiB")
   args = parser.parse_args()
+  if args.tune:
+    jq.tune_cpu()
   rng = np.random.default_rng(0)
   k = n = args.features
   weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -220,7 +224,8 @@ def main() -> None:
   batched_int8 = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, _BATCHED))
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
-        f"{jax.device_count()} CPU device(s); K = N = {k}; median of {args.repeats}; "
+        f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
+        f"median of {args.repeats}; "
         f"load average {_load()}")
   print("| layer | M | peer | ms | / float32 |")
   print("|---|---|---|---|---|")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -118,6 +119,26 @@ _EXACT_FLOAT_DEPTH = 1024
 # faster from ~512 (benchmarks/matmul.py; docs/numerics.md). The same holds
 # per batch of a batched product (rows per batch against a per-batch weight).
 _INT8_DOT_MAX_ROWS = 256
+# YNNPACK's int8 dot slows down past a depth of about 2048: at K = N = 4096 it
+# took 3.6x float32's time for one row and 0.93x for 64 rows, where slices of K
+# 1024 deep, each its own dot, their int32 products added, took 1.2x and 0.63x
+# (at K = 2048 slicing is slower). Integer sums are exact in any grouping, wrap
+# included. The bfloat16 dot's 1024-deep slices (512 rows, K = N = 4096) ran
+# at 0.55x where the same slices as a batch dim of one dot took 1.08x.
+_INT8_DOT_MAX_DEPTH = 2048
+# Up to this many slices: the program grows with their number.
+_MAX_SLICES = 8
+
+
+def _sliced(dot, lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int, size: int):
+  """``dot(lhs, rhs)`` as the sum of ``dot`` over slices of K at most ``size`` deep."""
+  depth = lhs.shape[lhs_k]
+  if depth <= size:
+    return dot(lhs, rhs)
+  return functools.reduce(operator.add, [
+      dot(lax.slice_in_dim(lhs, start, min(start + size, depth), axis=lhs_k),
+          lax.slice_in_dim(rhs, start, min(start + size, depth), axis=rhs_k))
+      for start in range(0, depth, size)])
 
 
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
@@ -125,7 +146,8 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
 
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
-  zero row is appended, and dropped after.
+  zero row is appended, and dropped after. A depth over
+  :data:`_INT8_DOT_MAX_DEPTH` runs as 1024-deep slices (:func:`_sliced`).
   """
   ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
   free = tuple(d for d in range(lhs.ndim) if d != lhs_k and d not in lhs_batch)
@@ -137,9 +159,15 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   if rows == 1:
     matrix = jnp.concatenate([matrix, jnp.zeros_like(matrix)], axis=-2)
   batch = len(lhs_batch)
-  product = lax.dot_general(
-      matrix, rhs, (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch)),
-      preferred_element_type=jnp.int32)
+  numbers = (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch))
+  dot = functools.partial(lax.dot_general, dimension_numbers=numbers,
+                          preferred_element_type=jnp.int32)
+  depth = lhs.shape[lhs_k]
+  if isinstance(depth, int) and (
+      _INT8_DOT_MAX_DEPTH < depth <= _MAX_SLICES * _EXACT_FLOAT_DEPTH):
+    product = _sliced(dot, matrix, rhs, matrix.ndim - 1, rhs_k, _EXACT_FLOAT_DEPTH)
+  else:
+    product = dot(matrix, rhs)
   product = lax.slice_in_dim(product, 0, rows, axis=batch)
   return product.reshape(batch_shape + free_shape + product.shape[batch + 1:])
 
@@ -153,8 +181,9 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   bfloat16 holds every int8, each product is exact in float32, and each
   partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
   magnitude <= 2**24, which float32 holds, in whatever order the backend
-  adds. Deeper contractions run in chunks of that depth as a batch dim, the
-  chunks' sums added in int32. Other backends run the int8 dot.
+  adds. Deeper contractions run as slices of that depth, each its own dot
+  (up to :data:`_MAX_SLICES`; more as one dot with the slices as a batch
+  dim), their sums added in int32. Other backends run the int8 dot.
   """
   (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
   if (jax.default_backend() != "cpu" or lhs.dtype != _INT8 or rhs.dtype != _INT8
@@ -168,9 +197,11 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   depth = lhs.shape[lhs_k]
   chunks = -(-depth // _EXACT_FLOAT_DEPTH)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
-  if chunks == 1:
-    total = lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
-    return total.astype(jnp.int32)
+  if chunks <= _MAX_SLICES:
+    def dot(lhs, rhs):
+      return lax.dot_general(
+          lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32).astype(jnp.int32)
+    return _sliced(dot, lhs, rhs, lhs_k, rhs_k, _EXACT_FLOAT_DEPTH)
 
   def split(x, k):
     # Zeros pad the last chunk: they add nothing to any sum.

@@ -122,7 +122,8 @@ def test_quantized_dot_general_dimension_numbers():
 
 
 @pytest.mark.parametrize("m", [0, 1, 2, 7])
-@pytest.mark.parametrize("k", [1, 37, 1029])  # 1029: the bfloat16 dot's last chunk is short
+# 1029: the bfloat16 dot's last slice is short; 4100: the int8 dot runs in slices too.
+@pytest.mark.parametrize("k", [1, 37, 1029, 4100])
 def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   """Both XLA:CPU int8 products (int8 dot of >= 2 rows; chunked bfloat16 dot), bit for bit."""
   rng = np.random.default_rng(k + m)
