@@ -72,7 +72,9 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8):
       "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
       error=TypeError,
   )
-  values = _packing.unpack(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
+  values = _word_unpacked(rhs)
+  if values is None:
+    values = _packing.unpack(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
     shape[rhs.axis] = rhs.shape[rhs.axis]
@@ -279,24 +281,35 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
-def _dequantized(weight: _params.QuantizedArray) -> jax.Array:
-  """``weight.dequantize()``, bit for bit; packed 2- and 4-bit integers read as 8-bit ones.
+def _word_unpacked(weight: _params.QuantizedArray) -> jax.Array | None:
+  """Packed 2- and 4-bit integer values as int8 (uint8), the same numbers; else ``None``.
 
   :func:`_matmul.unpack_integers` unpacks whole 32-bit words, several times
-  faster on XLA:CPU than ``unpack``; the int8 (uint8) values and zero point
-  are the same numbers, so ``dequantize_linear``'s formula gives the same floats.
+  faster on XLA:CPU than ``unpack`` (whose int4 array XLA:CPU also converts
+  slowly). It needs whole words: of the flat bit stream, or of each row
+  (``pack(layout="rows")``).
   """
   info = _dtypes.quantized_dtype("dtype", weight.dtype)
-  # Whole words: of the flat bit stream, or of each row (pack(layout="rows")).
   per_row = int(np.prod(weight.shape)) if weight.values.ndim == 1 else weight.shape[-1]
   if not (weight.packed and info.is_integer and info.bits in (2, 4)
           and per_row * info.bits % 32 == 0):
+    return None
+  return _matmul.unpack_integers(
+      weight.values, info.bits, signed=info.min < 0).reshape(weight.shape)
+
+
+def _dequantized(weight: _params.QuantizedArray) -> jax.Array:
+  """``weight.dequantize()``, bit for bit, from :func:`_word_unpacked` values where it can.
+
+  The 8-bit values and zero point are the same numbers, so
+  ``dequantize_linear``'s formula gives the same floats.
+  """
+  values = _word_unpacked(weight)
+  if values is None:
     return weight.dequantize()
-  signed = info.min < 0
-  values = _matmul.unpack_integers(weight.values, info.bits, signed=signed).reshape(weight.shape)
   zero_point = weight.zero_point
   if zero_point is not None:
-    zero_point = zero_point.astype(jnp.int8 if signed else jnp.uint8)
+    zero_point = zero_point.astype(values.dtype)
   return _linear.dequantize_linear(
       values, weight.scale, zero_point, axis=weight.axis, block_size=weight.block_size,
       output_dtype=weight.output_dtype,

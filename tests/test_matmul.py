@@ -226,6 +226,20 @@ def test_weight_only_stored_packed_weight_is_its_dequantize(rule, shape):
                                 jax.lax.dot_general(x, weight.dequantize(), _DIMS))
 
 
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.int2])
+def test_dynamic_int8_stored_packed_weight_is_its_unpacked_twin(dtype):
+  """Word-wise unpacked values (int8) give the product of the unpacked weight's."""
+  rng = np.random.default_rng(jnp.iinfo(dtype).bits)
+  w = rng.standard_normal((64, 48)).astype(np.float32)
+  packed = jq.quantize_params(w, jq.QuantizationRule(dtype=dtype))
+  unpacked = jq.quantize_params(w, jq.QuantizationRule(dtype=dtype, packed=False))
+  x = rng.standard_normal((5, 64)).astype(np.float32)
+  for call in (jq.dot_general_dynamic_int8, jax.jit(jq.dot_general_dynamic_int8,
+                                                    static_argnums=2, static_argnames="rhs_dtype")):
+    np.testing.assert_array_equal(call(x, packed, _DIMS, rhs_dtype=dtype),
+                                  call(x, unpacked, _DIMS, rhs_dtype=dtype))
+
+
 @pytest.mark.slow  # twenty shapes, each compiled and run in both oracles
 def test_qlinear_matmul_matches_onnxruntime_and_reference():
   """Bit for bit onnxruntime, ties included; onnx.reference but at ties with an odd zero point."""
