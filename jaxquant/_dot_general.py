@@ -572,7 +572,7 @@ def conv_general_dilated_weight_only(
   """
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   if isinstance(rhs, _params.QuantizedArray):
-    weight = rhs.dequantize()
+    weight = _dequantized(rhs)
   else:
     rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
     out_feature, in_feature = numbers.rhs_spec[:2]
