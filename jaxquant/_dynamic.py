@@ -52,6 +52,19 @@ def _reduce(values, initial, combine, axes, *, keepdims=False, windows=None):
   return reduce(values, axes, keepdims=keepdims, initial=initial)
 
 
+def _order_key(x, *, inverse: bool = False):
+  """float32 ``x`` as int32 keys ordered as the floats, or keys back to floats with ``inverse``.
+
+  The bits of a negative float, with the magnitude bits flipped, order below
+  every positive one and among themselves by value: -0 just below +0, the
+  infinities beyond the finite values and NaNs beyond the infinities (on the
+  side of their sign bit). Flipping them again restores the float.
+  """
+  bits = jnp.asarray(x) if inverse else lax.bitcast_convert_type(jnp.asarray(x), jnp.int32)
+  key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+  return lax.bitcast_convert_type(key, jnp.float32) if inverse else key
+
+
 def _min_max(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False,
     windows: tuple[int, ...] | None = None,
@@ -87,15 +100,33 @@ def _min_max(
     # A kernel block is already on chip: two plain reductions, which Mosaic
     # and Triton lower.
     return nan_aware(view)
-  def plain(view):
-    if windows is not None:
-      return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)
+  def variadic(view):
     # One variadic reduce reads x once: without a select inside, XLA:CPU
     # vectorizes it (measured faster than two plain reductions at 1M).
     return lax.reduce(
         (view, view), (inf, -inf),
         lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
     )
+
+  @jax.custom_jvp
+  def on_keys(view):
+    # The same reduce on int32 keys in the floats' order, where min and max
+    # are one instruction each; a float min or max costs four (NaN
+    # propagation and -0 < +0, which the keys keep: the results are the same
+    # floats). Its derivative is the float reduce's.
+    key = _order_key(view)
+    low, high = lax.reduce(
+        (key, key), (_order_key(inf), _order_key(-inf)),
+        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
+    )
+    return _order_key(low, inverse=True), _order_key(high, inverse=True)
+
+  on_keys.defjvp(lambda primals, tangents: jax.jvp(variadic, primals, tangents))
+
+  def plain(view):
+    if windows is not None:
+      return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)
+    return on_keys(view)
 
   return _ignoring_nan(plain, nan_aware, one_pass, view)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 import jax.numpy as jnp
 import numpy as np
@@ -26,11 +25,6 @@ def _operand(name, values, scale, zero_point):
   return (values, info, *_parameters.per_tensor(name, scale, zero_point, info))
 
 
-def _is_nan(x: jax.Array) -> jax.Array:
-  """``isnan(x)`` for float32 x, read off its bits."""
-  return (lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF) > 0x7F800000
-
-
 def _add_formula(
     a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point,
     *, a_info, b_info, out_info,
@@ -38,14 +32,17 @@ def _add_formula(
   to_float = functools.partial(_numerics.dequantize_formula, output_dtype=jnp.float32)
   a_value = to_float(a, a_scale, a_zero_point, info=a_info)
   b_value = to_float(b, b_scale, b_zero_point, info=b_info)
-  total = a_value + b_value
   # XLA:CPU's code generator contracts a product feeding an add into one FMA,
   # which rounds once where the formula rounds each product first (a tie
-  # then breaks the other way). LLVM fuses only a product with no other use,
-  # so each product gets a second one that changes nothing (NaN stays NaN):
-  # a NaN test on its bits, which LLVM cannot fold even where it proves the
-  # product is never NaN (compile-time constant scales); ``isnan`` it folds.
-  total = jnp.where(_is_nan(a_value), a_value, jnp.where(_is_nan(b_value), b_value, total))
+  # then breaks the other way). LLVM fuses only an addend that is a product,
+  # so the sum is taken as the larger plus the smaller of the two: the same
+  # float (addition commutes; a NaN in either stays in the sum, and the sign
+  # of a zero sum, which may differ, rounds to the same integer), and the
+  # addends are selects. Their conditions differ (> and >=, equal where the
+  # products are), or LLVM folds the mirrored pair back into a + b.
+  larger = jnp.where(a_value > b_value, a_value, b_value)
+  smaller = jnp.where(a_value >= b_value, b_value, a_value)
+  total = larger + smaller
   return _numerics.quantize_formula(
       total, out_scale, out_zero_point,
       info=out_info, precision=np.dtype(np.float32), saturate=True,

@@ -107,6 +107,49 @@ def _add_zero_point_32bit(
   )
 
 
+def _round_and_saturate_narrow(
+    quotient: jax.Array, zero_point: jax.Array | None, info: QuantizedDType
+) -> jax.Array:
+  """``saturate(round_half_to_even(quotient) + zero_point)`` for integer types of <= 16 bits.
+
+  The same value, computed in the order that compiles to the fewest
+  instructions on XLA:CPU (docs/numerics.md, "Speed on XLA:CPU"):
+
+  1. Round (``roundps``). The quotient's only use: XLA keeps an expensive
+     producer (the division) out of a fusion that reads it twice.
+  2. Clamp to ``[min - zero_point, max - zero_point]``: integers, so clamping
+     after rounding and before adding the zero point saturates the sum.
+     ``where(r > low, r, low)`` is one ``maxps`` that also sends NaN to
+     ``low``, hence to ``min``; ``jnp.clip`` propagates NaN (a select more).
+  3. Convert by adding ``magic = 1.5 * 2**p`` (``p`` mantissa bits): the sum
+     is exact and lies in ``[2**p, 2**(p + 1))``, where the float grid is the
+     integers, so its bits are ``bits(magic) + r``. Adding ``zero_point -
+     bits(magic)`` to them, in the integer type of the float's width, gives
+     the result, already within the output's range: the final conversion is a
+     truncation. (XLA's float -> int conversion saturates and maps NaN to 0,
+     several instructions per vector.)
+
+  Step 1 keeps a product that produced ``quotient`` (qlinear_matmul's
+  requantization) from being contracted with the addition into one FMA.
+
+  Returns:
+    The result in the signed integer type of the quotient's width (int32, or
+    int64 for float64), to be converted to the output type.
+  """
+  quotient = quotient.astype(jnp.promote_types(quotient.dtype, jnp.float32))
+  float_type = quotient.dtype.type
+  int_type = {4: np.int32, 8: np.int64}[quotient.dtype.itemsize]
+  magic = float_type(1.5 * 2.0 ** jnp.finfo(quotient.dtype).nmant)
+  zero_point = int_type(0) if zero_point is None else zero_point.astype(int_type)
+  low = (info.min - zero_point).astype(quotient.dtype)
+  high = (info.max - zero_point).astype(quotient.dtype)
+  rounded = jnp.round(quotient)
+  clamped = jnp.where(rounded > low, rounded, low)
+  clamped = jnp.where(clamped < high, clamped, high)
+  bits = lax.bitcast_convert_type(clamped + magic, int_type)
+  return bits + (zero_point - np.asarray(magic).view(int_type))
+
+
 def _encode(value: jax.Array, info: QuantizedDType) -> jax.Array:
   """The code of ``value`` rounded to nearest even on ``info``'s grid, saturated.
 
@@ -144,8 +187,9 @@ def round_and_saturate(
   """``saturate(round_half_to_even(quotient) + zero_point)`` as ``info.dtype``.
 
   The rules are docs/numerics.md's "Special values".
-  Integers: NaN -> ``min``, +-inf and overflow clamp to the range, the clamp is
-  done in float before the cast because XLA's cast maps NaN to 0. Floats: the
+  Integers: NaN -> ``min``, +-inf and overflow clamp to the range; the clamp is
+  done in float, as XLA's cast maps NaN to 0 (up to 16 bits by
+  :func:`_round_and_saturate_narrow`, which never casts a float). Floats: the
   dtype's own round-to-nearest-even cast; ``saturate`` clips to +-max first
   (XLA's float8 cast does not), NaN stays NaN, or becomes +max in a dtype
   without NaN (ONNX's float4 cast table; XLA's cast would give -0). float6,
@@ -187,18 +231,16 @@ def round_and_saturate(
       quotient = jnp.where(jnp.isnan(quotient), info.max, quotient)
     return quotient.astype(info.dtype)
 
-  rounded = jnp.round(quotient)
   # int8 holds every sub-byte integer; its two's complement low bits are the codes.
   storage = np.dtype(np.int8) if codes else info.dtype
   if info.bits == 32:
+    rounded = jnp.round(quotient)
     if zero_point is None:
       zero_point = jnp.zeros((), info.dtype)
     result = _add_zero_point_32bit(rounded, zero_point, info)
+    result = jnp.where(jnp.isnan(rounded), storage.type(info.min), result)
   else:
-    if zero_point is not None:
-      rounded = rounded + zero_point.astype(rounded.dtype)
-    result = jnp.clip(rounded, info.min, info.max).astype(storage)
-  result = jnp.where(jnp.isnan(rounded), storage.type(info.min), result)
+    result = _round_and_saturate_narrow(quotient, zero_point, info).astype(storage)
   if codes:
     return result.astype(jnp.uint8) & jnp.uint8((1 << info.bits) - 1)
   return result
@@ -209,18 +251,28 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
   XLA rewrites division by a broadcast operand into multiplication by its
   reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
-  rounding ties (docs/numerics.md, "XLA traps the library avoids"). A divisor
-  that depends on x element-wise is no broadcast, so it stays a true
-  division; swapping in x where x is NaN leaves every quotient unchanged (NaN
-  either way) and costs one select in the fusion.
+  rounding ties (docs/numerics.md, "XLA traps the library avoids"). The
+  divisor is the scale with a zero OR-ed into its bits that is computed from
+  x: ``clz(bits(x)) >> 6`` (``>> 7`` for float64) is 0 for every x, as a
+  count of leading zeros never exceeds the width. XLA's simplifier does not
+  know that, so the divisor depends on x element-wise, is no broadcast and
+  the division stays; ``vmap`` batches it like x. LLVM does know it (the
+  range of ``ctlz``) and drops the term: the compiled loop divides by the
+  scale held in a register, with nothing added.
 
   When x is a compile-time constant (a weight closed over by ``jit``), XLA
-  would fold ``isnan(x)`` and the select away, leaving the broadcast divisor
-  it rewrites. The optimization barrier keeps the guard opaque to the
-  simplifier; XLA drops the barrier after simplification, so the compiled
-  program is the same single fusion as for a traced x.
+  would fold the zero and rewrite the division after all: x reaches it
+  through an optimization barrier, which XLA drops after simplification
+  (Pallas kernels drop it too; their x is a load, never a constant).
   """
-  return x / jnp.where(jnp.isnan(lax.optimization_barrier(x)), x, scale)
+  shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(scale))
+  x = jnp.broadcast_to(x, shape)
+  divisor = jnp.broadcast_to(jnp.asarray(scale, x.dtype), shape)
+  uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  width = 8 * x.dtype.itemsize
+  zero = lax.clz(lax.bitcast_convert_type(lax.optimization_barrier(x), uint)) >> width.bit_length()
+  divisor = lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
+  return x / divisor
 
 
 def dequantize_formula(x, scale, zero_point, *, info, output_dtype):
