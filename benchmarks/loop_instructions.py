@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 import tempfile
 
 _LANES = {"xmm": 4, "ymm": 8, "zmm": 16}
@@ -103,7 +104,8 @@ def _ops():
   }
 
 
-def _measure(name: str, dump: pathlib.Path) -> None:
+def _compile(name: str) -> None:
+  """Compiles one op; the dump directory comes from ``XLA_FLAGS``."""
   function, arguments = _ops()[name]
   function.lower(*arguments).compile()
 
@@ -113,10 +115,9 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=256, choices=(256, 512))
   parser.add_argument("--show", action="store_true", help="print each loop")
   parser.add_argument("--op", help=argparse.SUPPRESS)  # one op, in a child process
-  parser.add_argument("--dump", help=argparse.SUPPRESS)
   arguments = parser.parse_args()
   if arguments.op:
-    _measure(arguments.op, pathlib.Path(arguments.dump))
+    _compile(arguments.op)
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=import-outside-toplevel
@@ -128,7 +129,7 @@ def main() -> None:
           os.environ,
           XLA_FLAGS=f"--xla_dump_to={dump} --xla_cpu_prefer_vector_width={arguments.width}")
       subprocess.run(
-          ["python", __file__, "--op", name, "--dump", dump], env=environment, check=True)
+          [sys.executable, __file__, "--op", name], env=environment, check=True)
       module = "jit_" + getattr(_ops()[name][0], "__name__", "")
       for obj, lanes, loop in hot_loops(pathlib.Path(dump), module):
         per_8 = 8 * len(loop) / lanes
