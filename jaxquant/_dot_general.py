@@ -284,7 +284,7 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
 def _word_unpacked(weight: _params.QuantizedArray) -> jax.Array | None:
   """Packed 2- and 4-bit integer values as int8 (uint8), the same numbers; else ``None``.
 
-  :func:`_matmul.unpack_integers` unpacks whole 32-bit words, several times
+  :func:`_packing.unpack_integers` unpacks whole 32-bit words, several times
   faster on XLA:CPU than ``unpack`` (whose int4 array XLA:CPU also converts
   slowly). It needs whole words: of the flat bit stream, or of each row
   (``pack(layout="rows")``).
@@ -294,7 +294,7 @@ def _word_unpacked(weight: _params.QuantizedArray) -> jax.Array | None:
   if not (weight.packed and info.is_integer and info.bits in (2, 4)
           and per_row * info.bits % 32 == 0):
     return None
-  return _matmul.unpack_integers(
+  return _packing.unpack_integers(
       weight.values, info.bits, signed=info.min < 0).reshape(weight.shape)
 
 

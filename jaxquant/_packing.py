@@ -389,6 +389,27 @@ def unpack_int4(packed: ArrayLike, shape: Sequence[int], dtype: DTypeLike) -> ja
   return _unpack(packed, shape, dtype)
 
 
+def unpack_integers(packed: jax.Array, bits: int, *, signed: bool) -> jax.Array:
+  """Packed 2- or 4-bit integers as int8 (uint8), LSB first: ``(..., n)`` -> ``(..., 8n / bits)``.
+
+  Each four bytes (``n % 4 == 0``) are read as one little-endian 32-bit word,
+  and each of its fields is shifted to the top bits and back down,
+  arithmetically when ``signed``. Every lane reads whole contiguous words,
+  which XLA:CPU vectorizes; interleaving stacked halves (``unpack``,
+  ``unpack_codes``) and converting from int4 compile to code that writes an
+  element at a time: a packed 1024 x 1024 int4 weight dequantized to float32
+  in 0.14 ms against 0.45 ms (benchmarks/matmul.py).
+  """
+  words = lax.bitcast_convert_type(packed.reshape(packed.shape[:-1] + (-1, 4)), jnp.int32)
+  words = jnp.broadcast_to(words[..., None], words.shape + (32 // bits,))
+  # Field j moves up by 32 - (j + 1) * bits, to the top. From an iota, not a
+  # constant array, whose lanes XLA:CPU loads one by one (0.85 against 0.15 ms).
+  up = (32 - bits) - bits * lax.broadcasted_iota(jnp.int32, words.shape, words.ndim - 1)
+  down = lax.shift_right_arithmetic if signed else lax.shift_right_logical
+  fields = down(lax.shift_left(words, up), np.int32(32 - bits))
+  return fields.astype(jnp.int8 if signed else jnp.uint8).reshape(packed.shape[:-1] + (-1,))
+
+
 def packed_bytes(
     packed: ArrayLike, shape: tuple[int, ...], dtype: DTypeLike
 ) -> jax.Array:

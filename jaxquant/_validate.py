@@ -3,8 +3,8 @@
 Every message reads ``<op>: <argument> must be <expected>, got <actual>.`` and
 is raised at trace time, before any XLA computation is built. A helper raises
 it without knowing which op called it (:func:`fail`); the public op it
-propagates out of names itself (:func:`reports_as`, which every
-``_bind.op`` applies), so no op name is threaded through the helpers.
+propagates out of names itself (:func:`named`, called by :func:`reports_as`
+and by every ``_bind.op``), so no op name is threaded through the helpers.
 """
 
 from __future__ import annotations

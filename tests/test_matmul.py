@@ -198,7 +198,7 @@ def test_unpack_integers_is_unpack(dtype):
   rng = np.random.default_rng(jnp.iinfo(dtype).bits)
   packed = rng.integers(0, 256, (3, 16)).astype(np.uint8)
   info = jnp.iinfo(dtype)
-  got = jq._matmul.unpack_integers(packed, info.bits, signed=info.min < 0)
+  got = jq._packing.unpack_integers(packed, info.bits, signed=info.min < 0)
   assert got.dtype == (np.int8 if info.min < 0 else np.uint8)
   expected = jq.unpack(packed.reshape(-1), (3, 16 * 8 // info.bits), dtype)
   np.testing.assert_array_equal(got, np.asarray(expected).astype(got.dtype))
