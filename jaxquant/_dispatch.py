@@ -43,9 +43,14 @@ class Route:
 # Only these are picked by ``implementation=None``, and only on that platform:
 # the choice is made when the program is lowered, so one exported program runs
 # the kernel where it was measured faster and XLA elsewhere.
-# Empty: no kernel has yet been timed on a GPU or TPU, and on CPU the kernels
-# run in interpret mode, orders of magnitude slower than XLA.
-PALLAS_FASTER: dict[str, frozenset[Route]] = {}
+# CUDA: of the kernels timed on an H100 (benchmarks/results/h100-kernels.md),
+# only blocked int4 dequantization was clearly faster (packed, to bfloat16);
+# the int8 ones ran at 0.91x to 1.15x XLA's speed depending on the output
+# dtype and layout, so XLA keeps them. On CPU the kernels run in
+# interpret mode, orders of magnitude slower than XLA; TPU is not yet timed.
+PALLAS_FASTER: dict[str, frozenset[Route]] = {
+    "cuda": frozenset({Route("dequantize_linear", "int4", "blocked")}),
+}
 
 
 def kernel_platforms(call: Route, implementation: str | None) -> frozenset[str] | None:

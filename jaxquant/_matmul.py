@@ -176,25 +176,46 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
 def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   """``dot_general`` of int8 (or int32) operands, accumulated exactly, wrapping in int32.
 
-  On XLA:CPU a product of at most :data:`_INT8_DOT_MAX_ROWS` (static) rows
-  of lhs per batch runs as the int8 dot (:func:`_int8_rows_dot`); a larger one
-  as a bfloat16 x bfloat16 -> float32 dot, which is exact for int8 values:
+  Chosen per platform when the program is lowered:
+
+  * XLA:CPU: a product of at most :data:`_INT8_DOT_MAX_ROWS` (static) rows
+    of lhs per batch runs as the int8 dot (:func:`_int8_rows_dot`); a larger
+    one as the bfloat16 dot of :func:`_bfloat16_dot`.
+  * XLA:GPU (CUDA): the bfloat16 dot, on the tensor cores. XLA:GPU's own
+    int8 x int8 -> int32 dot returned twice the sum for small operands
+    ((5, 7) x (7, 3): every element doubled; jax 0.11.2, H100).
+  * Elsewhere: the int8 dot.
+  """
+  (lhs_contracting, _), _ = dimension_numbers
+  if lhs.dtype != _INT8 or rhs.dtype != _INT8 or len(lhs_contracting) != 1:
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  bfloat16 = functools.partial(_bfloat16_dot, dimension_numbers=dimension_numbers)
+
+  def on_cpu(lhs, rhs):
+    ((lhs_k,), _), (lhs_batch, _) = dimension_numbers
+    rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k and d not in lhs_batch)
+    # A symbolic row count (jax.export) may be large: the bfloat16 dot.
+    if isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
+      return _int8_rows_dot(lhs, rhs, dimension_numbers)
+    return bfloat16(lhs, rhs)
+
+  def int8(lhs, rhs):
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+
+  return lax.platform_dependent(lhs, rhs, cpu=on_cpu, cuda=bfloat16, default=int8)
+
+
+def _bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
+  """The int8 dot as a bfloat16 x bfloat16 -> float32 dot, exactly.
+
   bfloat16 holds every int8, each product is exact in float32, and each
   partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
   magnitude <= 2**24, which float32 holds, in whatever order the backend
   adds. Deeper contractions run as slices of that depth, each its own dot
   (up to :data:`_MAX_SLICES`; more as one dot with the slices as a batch
-  dim), their sums added in int32. Other backends run the int8 dot.
+  dim), their sums added in int32.
   """
-  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-  if (jax.default_backend() != "cpu" or lhs.dtype != _INT8 or rhs.dtype != _INT8
-      or len(lhs_contracting) != 1):
-    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
-  (lhs_k,), (rhs_k,) = lhs_contracting, rhs_contracting
-  rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k and d not in lhs_batch)
-  # A symbolic row count (jax.export) may be large: the bfloat16 dot.
-  if isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
-    return _int8_rows_dot(lhs, rhs, dimension_numbers)
+  ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
   depth = lhs.shape[lhs_k]
   chunks = -(-depth // _EXACT_FLOAT_DEPTH)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)

@@ -127,7 +127,10 @@ def _round_and_saturate_narrow(
      bits(magic)`` to them, in the integer type of the float's width, gives
      the result, already within the output's range: the final conversion is a
      truncation. (XLA's float -> int conversion saturates and maps NaN to 0,
-     several instructions per vector.)
+     several instructions per vector.) That is XLA:CPU's conversion; other
+     platforms convert the clamped value with ``astype``: XLA:GPU compiles
+     the bit trick fused with the output's conversion to -1 for every
+     element (jax 0.11.2, H100).
 
   Step 1 keeps a product that produced ``quotient`` (qlinear_matmul's
   requantization) from being contracted with the addition into one FMA.
@@ -137,17 +140,32 @@ def _round_and_saturate_narrow(
     int64 for float64), to be converted to the output type.
   """
   quotient = quotient.astype(jnp.promote_types(quotient.dtype, jnp.float32))
-  float_type = quotient.dtype.type
   int_type = {4: np.int32, 8: np.int64}[quotient.dtype.itemsize]
-  magic = float_type(1.5 * 2.0 ** jnp.finfo(quotient.dtype).nmant)
-  zero_point = int_type(0) if zero_point is None else zero_point.astype(int_type)
+  zero_point = jnp.asarray(0 if zero_point is None else zero_point, int_type)
   low = (info.min - zero_point).astype(quotient.dtype)
   high = (info.max - zero_point).astype(quotient.dtype)
   rounded = jnp.round(quotient)
   clamped = jnp.where(rounded > low, rounded, low)
   clamped = jnp.where(clamped < high, clamped, high)
+  return lax.platform_dependent(
+      clamped, zero_point, cpu=integer_through_magic, default=integer_by_cast)
+
+
+def integer_through_magic(clamped: jax.Array, zero_point: jax.Array) -> jax.Array:
+  """``clamped + zero_point`` in the signed integer type of clamped's width, by its bits.
+
+  ``clamped`` holds integers within the output's range less the zero point
+  (step 3 of :func:`_round_and_saturate_narrow`).
+  """
+  magic = clamped.dtype.type(1.5 * 2.0 ** jnp.finfo(clamped.dtype).nmant)
+  int_type = zero_point.dtype.type
   bits = lax.bitcast_convert_type(clamped + magic, int_type)
   return bits + (zero_point - np.asarray(magic).view(int_type))
+
+
+def integer_by_cast(clamped: jax.Array, zero_point: jax.Array) -> jax.Array:
+  """:func:`integer_through_magic` by a cast."""
+  return clamped.astype(zero_point.dtype) + zero_point
 
 
 def _encode(value: jax.Array, info: QuantizedDType) -> jax.Array:
@@ -247,32 +265,62 @@ def round_and_saturate(
 
 
 def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """``x / scale`` rounded once, as IEEE division.
+  """``x / scale`` rounded once, as IEEE division, on every platform.
 
-  XLA rewrites division by a broadcast operand into multiplication by its
-  reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
-  rounding ties (docs/numerics.md, "XLA traps the library avoids"). The
-  divisor is the scale with a zero OR-ed into its bits that is computed from
-  x: ``clz(bits(x)) >> 6`` (``>> 7`` for float64) is 0 for every x, as a
-  count of leading zeros never exceeds the width. XLA's simplifier does not
-  know that, so the divisor depends on x element-wise, is no broadcast and
-  the division stays; ``vmap`` batches it like x. LLVM does know it (the
-  range of ``ctlz``) and drops the term: the compiled loop divides by the
-  scale held in a register, with nothing added.
+  Two compilers stand in the way, and each is handled where it runs (the
+  choice is made when the program is lowered, so one exported program
+  divides correctly on each platform):
 
-  When x is a compile-time constant (a weight closed over by ``jit``), XLA
-  would fold the zero and rewrite the division after all: x reaches it
-  through an optimization barrier, which XLA drops after simplification
-  (Pallas kernels drop it too; their x is a load, never a constant).
+  * XLA rewrites division by a broadcast operand into multiplication by its
+    reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
+    rounding ties (docs/numerics.md, "XLA traps the library avoids"). The
+    divisor is the scale with a zero OR-ed into its bits that is computed
+    from x: ``clz(bits(x)) >> 6`` (``>> 7`` for float64) is 0 for every x,
+    as a count of leading zeros never exceeds the width. XLA's simplifier
+    does not know that, so the divisor depends on x element-wise, is no
+    broadcast and the division stays; ``vmap`` batches it like x. LLVM does
+    know it (the range of ``ctlz``) and drops the term: the compiled loop
+    divides by the scale held in a register, with nothing added. When x is a
+    compile-time constant (a weight closed over by ``jit``), XLA would fold
+    the zero and rewrite the division after all: x reaches it through an
+    optimization barrier, which XLA drops after simplification.
+  * XLA:GPU emits float32 division as PTX ``div.full.f32``, within 2 ulp, not
+    rounded correctly (openxla/xla#37181). On CUDA a float32 quotient is
+    divided in float64 (``div.rn.f64``) and rounded to float32: 53 >= 2 * 24
+    + 2 significant bits make the double rounding innocuous (Figueroa 1995),
+    so the result is the correctly rounded float32 quotient, except that
+    ``reduce_precision`` flushes a quotient below float32's smallest normal
+    to zero, as XLA:CPU does (docs/numerics.md, J1); it rounds to integer 0
+    or float8 zero either way. The float64 divisor carries the same zero.
+
+  Kernels evaluate the default branch: their operands are loads, never
+  constants, and ``pallas_kernels._exact`` gives Triton its IEEE division.
   """
   shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(scale))
   x = jnp.broadcast_to(x, shape)
   divisor = jnp.broadcast_to(jnp.asarray(scale, x.dtype), shape)
+  return lax.platform_dependent(x, divisor, cuda=divide_in_float64, default=guarded_divide)
+
+
+def guarded_divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
+  """``x / divisor`` (same shape and dtype) that XLA keeps a division (:func:`true_divide`)."""
   uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
   width = 8 * x.dtype.itemsize
   zero = lax.clz(lax.bitcast_convert_type(lax.optimization_barrier(x), uint)) >> width.bit_length()
-  divisor = lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
-  return x / divisor
+  return x / lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
+
+
+def divide_in_float64(x: jax.Array, divisor: jax.Array) -> jax.Array:
+  """:func:`guarded_divide`, with a float32 quotient divided in float64 (:func:`true_divide`)."""
+  if x.dtype != np.float32:
+    return guarded_divide(x, divisor)
+  with jax.enable_x64(True):
+    wide = guarded_divide(x.astype(jnp.float64), divisor.astype(jnp.float64))
+    # Rounded by reduce_precision, not by the cast alone: LLVM rewrites
+    # fptrunc(fdiv(fpext a, fpext b)) into a float32 fdiv (exact in IEEE
+    # arithmetic), which NVPTX then emits as div.full.f32 again.
+    wide = lax.reduce_precision(wide, exponent_bits=8, mantissa_bits=23)
+    return wide.astype(jnp.float32)
 
 
 def dequantize_formula(x, scale, zero_point, *, info, output_dtype):

@@ -13,7 +13,12 @@ every backend.
 
 The same re-evaluation drops optimization barriers, which no kernel backend
 lowers: jaxquant's division places one so that XLA cannot constant-fold its
-NaN guard, and inside a kernel the operands are loads, never constants.
+guard, and inside a kernel the operands are loads, never constants. It
+resolves ``lax.platform_dependent`` to its default branch: a formula's
+platform branches are XLA's (an XLA:CPU conversion, XLA:GPU's division in
+float64), and a kernel's own needs are these replacements. And it gives
+Triton, which has no lowering for ``lax.clz``, an exact count of leading
+zeros by binary search.
 """
 
 from __future__ import annotations
@@ -56,6 +61,23 @@ def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
   return quotient
 
 
+def count_leading_zeros(x: jax.Array) -> jax.Array:
+  """``lax.clz`` of an unsigned or signed integer array, by a binary search over its bits."""
+  width = 8 * x.dtype.itemsize
+  unsigned = jnp.dtype(f"uint{width}")
+  bits = lax.bitcast_convert_type(x, unsigned) if x.dtype != unsigned else x
+  count = jnp.zeros(x.shape, unsigned)
+  shift = width // 2
+  while shift:
+    # The top ``shift`` bits of what is left are zero: count them, look lower.
+    top_clear = bits < unsigned.type(1 << (width - shift))
+    count = jnp.where(top_clear, count + unsigned.type(shift), count)
+    bits = jnp.where(top_clear, bits << unsigned.type(shift), bits)
+    shift //= 2
+  count = count + (bits == 0).astype(unsigned)
+  return lax.bitcast_convert_type(count, x.dtype) if x.dtype != unsigned else count
+
+
 def _replacement(equation, *, divide: bool, rounding: bool):
   """The function replacing ``equation``'s primitive, or ``None`` to keep it.
 
@@ -63,6 +85,8 @@ def _replacement(equation, *, divide: bool, rounding: bool):
   """
   if equation.primitive is lax.optimization_barrier_p:
     return lambda *values: list(values)
+  if equation.primitive is lax.clz_p and rounding:
+    return lambda x: [count_leading_zeros(x)]
   float32 = all(v.aval.dtype == np.float32 for v in equation.invars)
   if rounding and equation.primitive is lax.round_p and float32 and (
       equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
@@ -87,7 +111,14 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
     inputs = [read(v) for v in equation.invars]
     replacement = _replacement(equation, divide=divide, rounding=rounding)
     inner = equation.params.get("jaxpr")
-    if replacement is not None:
+    if equation.params.get("branches_platforms"):
+      # lax.platform_dependent: its default branch (the one for no named platform).
+      default = equation.params["branches_platforms"].index(None)
+      inner = equation.params["branches"][default]
+      inputs = inputs[1:]
+    if equation.primitive.name == "platform_index":
+      outputs = [None]  # read only by the platform-dependent cond, resolved above
+    elif replacement is not None:
       outputs = replacement(*inputs)
     elif isinstance(inner, jax_core.ClosedJaxpr):
       # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...).

@@ -18,6 +18,7 @@ N rows of the weight, K whole.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import math
 
 import jax
@@ -68,16 +69,32 @@ def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
   return codes
 
 
-def _tiles(m: int, n: int, backend: str) -> tuple[int, int]:
-  """(M, N) tiles: whole dims when small, else 256 rows and 256 / 128 columns dividing N."""
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How one program covers y: ``m`` rows of x, ``n`` rows of the weight, K ``k`` at a time.
+
+  ``k=None``: all of K in one dot (Mosaic: the strip fits VMEM). Triton
+  tiles are powers of two and ``k`` a multiple of the block size: the
+  program loops over K, loading and dequantizing one (n, k) tile of the
+  weight per step into registers, and sums the steps' dots in float32.
+  """
+
+  m: int
+  n: int
+  k: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def tiling(m: int, n: int, k: int, block_size: int, backend: str) -> Tiling:
+  """The default tiling for x (m, K) against a weight (n, K) on ``backend``."""
   if backend == "triton":
-    # Triton blocks are powers of two, and tl.dot wants at least 16 per dim.
-    tile_m = min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
-    tile_n = min(max(16, 1 << max(n - 1, 0).bit_length()), 64)
-    return tile_m, tile_n
-  tile_m = m if m <= 256 else 256
-  tile_n = next((t for t in (256, 128) if n % t == 0), n)
-  return tile_m, tile_n
+    # Powers of two, at least 16 per dim for tl.dot; K in steps of 256 or
+    # the block size, whichever is larger, when that divides K.
+    pow2 = lambda d, cap: min(max(16, 1 << max(d - 1, 0).bit_length()), cap)
+    step = max(256, block_size)
+    return Tiling(m=pow2(m, 64), n=pow2(n, 64), k=step if k % step == 0 else None)
+  return Tiling(m=m if m <= 256 else 256, n=next((t for t in (256, 128) if n % t == 0), n))
 
 
 def dequantize_matmul(
@@ -91,6 +108,7 @@ def dequantize_matmul(
     bits: int,
     backend: str | None = None,
     interpret: bool = False,
+    tiles: Tiling | None = None,
 ) -> jax.Array:
   r"""``x @ formula(decode(packed), scales, zero_points).T`` in one Pallas kernel.
 
@@ -119,6 +137,8 @@ def dequantize_matmul(
     backend: ``"tpu"`` (Mosaic) or ``"triton"``; ``None`` picks per platform
       when the call is lowered (interpret mode on CPU).
     interpret: run in Pallas interpret mode on every platform.
+    tiles: the programs' tiling; ``None``: :func:`tiling`'s default for the
+      platform.
 
   Returns:
     float32 (..., N).
@@ -135,7 +155,7 @@ def dequantize_matmul(
     ...     formula=formula, block_size=16, bits=4, interpret=True)
     Array([[-48., -24.]], dtype=float32)
   """
-  options = dict(formula=formula, block_size=block_size, bits=bits)
+  options = dict(formula=formula, block_size=block_size, bits=bits, tiles=tiles)
 
   def kernel(x, packed, scales, zero_points):
     """The kernel on these arrays: whole, or one device's shards of them."""
@@ -236,22 +256,37 @@ def _partitioned(kernel: Callable[..., jax.Array], x: jax.Array,
   return batchable(x, *weight)
 
 
-def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend, interpret):
+def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend, interpret,
+          tiles):
   (m, k), n = x.shape, packed.shape[0]
   per_byte = 8 // bits
-  tile_m, tile_n = _tiles(m, n, backend)
-  padded_m, padded_n = -(-m // tile_m) * tile_m, -(-n // tile_n) * tile_n
+  tiles = tiles or tiling(m, n, k, block_size, backend)
+  step = tiles.k or k
+  padded_m, padded_n = -(-m // tiles.m) * tiles.m, -(-n // tiles.n) * tiles.n
   x = jnp.pad(x, ((0, padded_m - m), (0, 0)))
   packed, scales, zero_points = (
       jnp.pad(a, ((0, padded_n - n), (0, 0))) for a in (packed, scales, zero_points))
 
-  def kernel(x_ref, packed_ref, scales_ref, zero_points_ref, y_ref):
-    codes = unpack_codes(packed_ref[...], bits)
-    weight = formula(codes, _expand(scales_ref[...], block_size),
-                     _expand(zero_points_ref[...], block_size))
-    y_ref[...] = lax.dot_general(
-        x_ref[...], weight, _TRANSPOSED_RHS, precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+  def product(x_ref, packed_ref, scales_ref, zero_points_ref, start):
+    """x's columns [start, start + step) against the weight's, dequantized here."""
+    codes = unpack_codes(packed_ref[:, pl.ds(start // per_byte, step // per_byte)], bits)
+    blocks = pl.ds(start // block_size, step // block_size)
+    weight = formula(codes, _expand(scales_ref[:, blocks], block_size),
+                     _expand(zero_points_ref[:, blocks], block_size))
+    return lax.dot_general(
+        x_ref[:, pl.ds(start, step)], weight, _TRANSPOSED_RHS,
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+    )
+
+  def kernel(*refs):
+    *operands, y_ref = refs
+    if step == k:
+      y_ref[...] = product(*operands, 0)
+      return
+    # The steps' partial dots, summed in order from K's start.
+    y_ref[...] = lax.fori_loop(
+        0, k // step, lambda i, total: total + product(*operands, i * step),
+        jnp.zeros((tiles.m, tiles.n), jnp.float32),
     )
 
   blocks = k // block_size
@@ -260,17 +295,18 @@ def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend,
   elif backend == "tpu":
     compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
   else:
-    compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    compiler_params = pltriton.CompilerParams(num_warps=tiles.num_warps,
+                                              num_stages=tiles.num_stages)
   y = pl.pallas_call(
       kernel,
-      grid=(padded_m // tile_m, padded_n // tile_n),
+      grid=(padded_m // tiles.m, padded_n // tiles.n),
       in_specs=[
-          pl.BlockSpec((tile_m, k), lambda i, j: (i, 0)),
-          pl.BlockSpec((tile_n, k // per_byte), lambda i, j: (j, 0)),
-          pl.BlockSpec((tile_n, blocks), lambda i, j: (j, 0)),
-          pl.BlockSpec((tile_n, blocks), lambda i, j: (j, 0)),
+          pl.BlockSpec((tiles.m, k), lambda i, j: (i, 0)),
+          pl.BlockSpec((tiles.n, k // per_byte), lambda i, j: (j, 0)),
+          pl.BlockSpec((tiles.n, blocks), lambda i, j: (j, 0)),
+          pl.BlockSpec((tiles.n, blocks), lambda i, j: (j, 0)),
       ],
-      out_specs=pl.BlockSpec((tile_m, tile_n), lambda i, j: (i, j)),
+      out_specs=pl.BlockSpec((tiles.m, tiles.n), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((padded_m, padded_n), jnp.float32),
       compiler_params=compiler_params,
       interpret=interpret,

@@ -23,10 +23,16 @@ def _table_rows(script, *arguments, prefix):
   return [line for line in result.stdout.splitlines() if line.startswith(prefix)], result.stdout
 
 
-def test_kernel_benchmark_runs_and_checks_bits():
-  # The script asserts that every kernel equals XLA bit for bit before timing.
-  rows, output = _table_rows("kernels.py", "--elements", "16384", prefix="| ")
-  assert len(rows) == 1 + 5, output
+def test_kernel_benchmark_runs_and_checks_bits(tmp_path):
+  # Each element-wise row says whether the kernel gave XLA's bits; the
+  # matmul rows time the weight-only kernel against XLA and two dense dots.
+  results = tmp_path / "kernels.json"
+  rows, output = _table_rows("kernels.py", "--elements", "16384", "--json", str(results),
+                             prefix="| ")
+  written = json.loads(results.read_text())
+  assert len(written["elementwise"]) == 9 and len(written["matmul"]) == 4, output
+  assert all(row["differing"] == 0 for row in written["elementwise"]), output
+  assert len(rows) == 2 + 9 + 4, output
 
 
 def test_suite_writes_json_and_markdown(tmp_path):

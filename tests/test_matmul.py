@@ -1,5 +1,7 @@
 """Quantized matmul: MatMulInteger, QLinearMatMul, MatMulNBits, quantized_dot_general."""
 
+import functools
+
 import jax
 from jax import export
 import jax.numpy as jnp
@@ -7,6 +9,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _matmul
+import pallas_kernels
+from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
 
 _DIMS = (((1,), (0,)), ((), ()))
@@ -508,8 +513,8 @@ def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_matmul_nbits_kernel_lowers(platform, bits):
-  """Mosaic (TPU) and Triton (CUDA) lower the fused kernel, from this CPU."""
-  k, n, block_size = 256, 256, 32
+  """Mosaic (TPU) and Triton (CUDA, four steps through K) lower the fused kernel, from this CPU."""
+  k, n, block_size = 1024, 256, 32
   b, scales, zero_points = _nbits_case(np.random.default_rng(0), bits, k, n, block_size, "packed")
   call = lambda a: jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
                                    block_size=block_size, implementation="pallas")
@@ -592,3 +597,45 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
   rows = [line for line in result.stdout.splitlines() if line.startswith("| dynamic int8 | 2")]
   assert len(rows) == 5 + ("qwix not installed" not in result.stdout), result.stdout
   assert result.stdout.count("load average") == 2, result.stdout
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 3), (1, 2048, 16), (3, 2500, 4)])
+def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape):
+  """CUDA's int8 dot (lowered there as a bfloat16 dot), evaluated here: exact for any depth.
+
+  XLA:GPU's own int8 x int8 -> int32 dot doubled every element of a (5, 7) x (7, 3) product
+  (jax 0.11.2, H100).
+  """
+  m, k, n = shape
+  rng = np.random.default_rng(k)
+  a, b = _integers(rng, np.int8, (m, k)), _integers(rng, np.int8, (k, n))
+  dims = (((1,), (0,)), ((), ()))
+  got = jax.jit(functools.partial(_matmul._bfloat16_dot, dimension_numbers=dims))(a, b)
+  np.testing.assert_array_equal(got, a.astype(np.int32) @ b.astype(np.int32))
+  text = jax.jit(lambda a, b: jq.matmul_integer(a, b)).trace(a, b).lower(
+      lowering_platforms=("cuda",)).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert dots and all("bf16>" in line for line in dots), dots
+
+
+@pytest.mark.parametrize("bits, tiles", [
+    (4, None), (2, None), (8, None),
+    (4, pallas_matmul.Tiling(m=16, n=32, k=64, num_warps=8, num_stages=3)),
+])
+def test_triton_tiling_steps_through_k(bits, tiles):
+  """Triton's programs loop over K (interpret mode): float32 summation tolerance of XLA's dot."""
+  k, n, block_size = 1024, 48, 32
+  rng = np.random.default_rng(bits)
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, "packed")
+  a = rng.standard_normal((5, k)).astype(np.float32)
+  packed, scales, zero_codes = _matmul.nbits_inputs(b, scales, zero_points, K=k, N=n, bits=bits,
+                                                     block_size=block_size)
+  formula = lambda codes, s, z: (codes.astype(jnp.float32) - z.astype(jnp.float32)) * s
+  assert pallas_matmul.tiling(5, n, k, block_size, "triton").k == 256
+  y = pallas_kernels.dequantize_matmul(a, packed, scales, zero_codes, formula=formula,
+                                       block_size=block_size, bits=bits, backend="triton",
+                                       interpret=True, tiles=tiles)
+  expected = jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
+                             block_size=block_size, implementation="xla")
+  # Summation order differs: the error is relative to the terms, not to a cancelled sum.
+  np.testing.assert_allclose(y, expected, rtol=2e-5, atol=2e-6 * np.abs(expected).max())

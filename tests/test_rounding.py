@@ -80,3 +80,62 @@ def test_no_zero_point_is_zero():
   quotients = near_integers_and_ties(-130, 130, _ULPS, np.float32)
   got = _numerics.round_and_saturate(jnp.asarray(quotients), None, info)
   np.testing.assert_array_equal(np.asarray(got), reference(quotients, 0, np.dtype(np.int8)))
+
+
+# Each platform's formulation, evaluated here on the CPU: lax.platform_dependent
+# picks one when the program is lowered (XLA:CPU's bit trick, a cast elsewhere;
+# division in float64 on CUDA), and every one must give the same bits.
+
+
+@pytest.mark.parametrize("dtype_name,zero_point", CASES)
+def test_integer_conversion_by_cast_equals_the_bit_trick(dtype_name, zero_point):
+  info = ml_dtypes.iinfo(np.dtype(dtype_name))
+  clamped = np.arange(info.min - zero_point, info.max - zero_point + 1, dtype=np.float32)
+  arguments = jnp.asarray(clamped), jnp.asarray(zero_point, jnp.int32)
+  by_cast = jax.jit(_numerics.integer_by_cast)(*arguments)
+  np.testing.assert_array_equal(by_cast, jax.jit(_numerics.integer_through_magic)(*arguments))
+  np.testing.assert_array_equal(by_cast, np.arange(info.min, info.max + 1))
+
+
+def _division_operands(seed):
+  """float32 (x, divisor) pairs: random bits, quotients on and next to rounding ties, specials."""
+  rng = np.random.default_rng(seed)
+  count = 1 << 18
+  divisor = rng.uniform(1e-3, 1e3, count).astype(np.float32)
+  ties = (rng.integers(-40000, 40000, count) + 0.5).astype(np.float32)
+  on_ties = (ties.astype(np.float64) * divisor).astype(np.float32)
+  next_to = np.nextafter(on_ties, rng.choice([-np.inf, np.inf], count).astype(np.float32))
+  random_bits = rng.integers(0, 2**32, (2, count), dtype=np.uint64).astype(np.uint32)
+  specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, 1e-45, -1e-38], np.float32)
+  x = np.concatenate([on_ties, next_to, random_bits[0].view(np.float32),
+                      np.repeat(specials, specials.size)])
+  d = np.concatenate([divisor, divisor, random_bits[1].view(np.float32),
+                      np.tile(specials, specials.size)])
+  return x, d
+
+
+def test_division_in_float64_is_ieee_division():
+  """CUDA's formulation: the correctly rounded float32 quotient (subnormal ones flushed)."""
+  x, divisor = _division_operands(seed=2)
+  with np.errstate(all="ignore"):
+    want = x / divisor
+  got = np.asarray(jax.jit(_numerics.divide_in_float64)(x, divisor))
+  # This CPU reads subnormal operands as zero (J1); CUDA does not.
+  tiny = np.finfo(np.float32).tiny
+  normal = ~((x != 0) & (np.abs(x) < tiny)) & ~((divisor != 0) & (np.abs(divisor) < tiny))
+  x, divisor, want, got = x[normal], divisor[normal], want[normal], got[normal]
+  subnormal = (want != 0) & (np.abs(want) < tiny)
+  want = np.where(subnormal, np.copysign(np.float32(0), want), want)
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_division_lowers_per_platform():
+  """One program: float32 division in float64 where lowered for CUDA, float32 elsewhere."""
+  x = jnp.ones((4, 8), jnp.float32)
+  divide = jax.jit(lambda x, s: _numerics.true_divide(x, s))
+  for platform, wide in (("cuda", True), ("cpu", False), ("tpu", False)):
+    text = divide.trace(x, jnp.float32(3)).lower(lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.reduce_precision" in text) == wide, platform
+    assert ("stablehlo.divide" in text and ("xf64>" in text) == wide), platform
