@@ -16,9 +16,10 @@ lowers: jaxquant's division places one so that XLA cannot constant-fold its
 guard, and inside a kernel the operands are loads, never constants. It
 resolves ``lax.platform_dependent`` to its default branch: a formula's
 platform branches are XLA's (an XLA:CPU conversion, XLA:GPU's division in
-float64), and a kernel's own needs are these replacements. And it gives
-Triton, which has no lowering for ``lax.clz``, an exact count of leading
-zeros by binary search.
+float64), and a kernel's own needs are these replacements. Two more
+primitives that Triton cannot lower get exact replacements: ``lax.clz`` (a
+binary search over the bits; an H100 refused the kernels that held it) and
+``lax.reduce_precision`` to bfloat16's precision (rounding the bits).
 """
 
 from __future__ import annotations
@@ -33,20 +34,36 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 import numpy as np
 
-_TWO_TO_23 = np.float32(2.0**23)
-
-
 def round_half_to_even(x: jax.Array) -> jax.Array:
-  """``jnp.round`` for float32 from ``floor`` (which Triton and Mosaic both lower).
+  """``jnp.round`` for float32 or float64 from ``floor`` (which Triton and Mosaic both lower).
 
   ``x - floor(x)`` is exact, so ties are seen exactly; the sign is copied back
-  so that -0.3 rounds to -0.0. Beyond 2**23 every float32 is an integer.
+  so that -0.3 rounds to -0.0. Beyond 2**p (p mantissa bits) every float is
+  an integer.
   """
   floor = jnp.floor(x)
   fraction = x - floor
   odd = floor - 2 * jnp.floor(floor * 0.5)
   rounded = floor + jnp.where(fraction > 0.5, 1.0, jnp.where(fraction < 0.5, 0.0, odd))
-  return jnp.where(jnp.abs(x) < _TWO_TO_23, jnp.copysign(rounded, x), x)
+  integral = x.dtype.type(2.0 ** jnp.finfo(x.dtype).nmant)
+  return jnp.where(jnp.abs(x) < integral, jnp.copysign(rounded, x), x)
+
+
+def round_mantissa(x: jax.Array, mantissa_bits: int) -> jax.Array:
+  """``lax.reduce_precision(x, 8, mantissa_bits)`` for float32, on its bits.
+
+  With float32's own exponent range (bfloat16's) there is nothing to flush or
+  clamp: rounding the bits to nearest even rounds the value, carrying into
+  the exponent and up to infinity as it should; NaN is kept.
+  """
+  dropped = jnp.finfo(np.float32).nmant - mantissa_bits
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  if dropped <= 0:
+    return x
+  odd = (bits >> np.uint32(dropped)) & np.uint32(1)
+  half = np.uint32((1 << (dropped - 1)) - 1)
+  kept = (bits + half + odd) & np.uint32(~((1 << dropped) - 1) & 0xFFFFFFFF)
+  return jnp.where(jnp.isnan(x), x, lax.bitcast_convert_type(kept, jnp.float32))
 
 
 def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -88,10 +105,15 @@ def _replacement(equation, *, divide: bool, rounding: bool):
   if equation.primitive is lax.clz_p and rounding:
     return lambda x: [count_leading_zeros(x)]
   float32 = all(v.aval.dtype == np.float32 for v in equation.invars)
-  if rounding and equation.primitive is lax.round_p and float32 and (
+  float32_or_64 = all(v.aval.dtype in (np.float32, np.float64) for v in equation.invars)
+  if rounding and equation.primitive is lax.round_p and float32_or_64 and (
       equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
   ):
     return lambda x: [round_half_to_even(x)]
+  if rounding and equation.primitive is lax.reduce_precision_p and float32 and (
+      equation.params["exponent_bits"] == 8
+  ):
+    return lambda x: [round_mantissa(x, equation.params["mantissa_bits"])]
   if divide and equation.primitive is lax.div_p and float32:
     return lambda x, y: [_divide_rn(x, y)]
   return None
@@ -142,8 +164,10 @@ def exact(
     formula: a function of arrays built from ``jnp``/``lax`` operations.
     divide: replace float32 division by PTX ``div.rn.f32`` (CUDA only; off
       in interpret mode and on ROCm, whose ``fdiv`` lowering is already IEEE).
-    rounding: replace float32 round-half-to-even by :func:`round_half_to_even`
-      (Triton has no lowering for ``lax.round``; Mosaic has).
+    rounding: replace float32 and float64 round-half-to-even by
+      :func:`round_half_to_even`, ``reduce_precision`` to bfloat16's range by
+      :func:`round_mantissa` and ``clz`` by :func:`count_leading_zeros`
+      (Triton lowers none of the three; Mosaic does).
 
   Returns:
     A function with ``formula``'s signature and results.

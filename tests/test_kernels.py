@@ -762,3 +762,28 @@ def test_kernels_evaluate_the_default_branch_of_platform_dependent_formulas():
   x = jnp.arange(4.0)
   np.testing.assert_array_equal(_exact.exact(formula)(x), x + 1)
   np.testing.assert_array_equal(formula(x), x * 2)  # here, on the CPU
+
+
+def test_triton_replacements_equal_the_primitives():
+  # reduce_precision (bfloat16 precision for quantize), float64 round (x64):
+  # Triton lowers neither; _exact's replacements must give the same bits.
+  rng = np.random.default_rng(7)
+  x = np.concatenate([
+      rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32),
+      np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4028235e38, 1e-45, 1.00390625,
+                  1.01171875, -1.00390625]),
+  ])
+  for mantissa_bits in (7, 10, 23):
+    want = lax.reduce_precision(jnp.asarray(x), exponent_bits=8, mantissa_bits=mantissa_bits)
+    got = jax.jit(functools.partial(_exact.round_mantissa, mantissa_bits=mantissa_bits))(x)
+    assert_bits_equal(got, want)
+  with jax.enable_x64(True):
+    halves = np.concatenate([np.arange(-6, 6) + 0.5, [2.0**52 + 1, -(2.0**53), -0.25, 0.5]])
+    wide = jnp.asarray(np.concatenate([halves, rng.normal(0, 1e6, 4096)]), jnp.float64)
+    assert_bits_equal(jax.jit(_exact.round_half_to_even)(wide), jnp.round(wide))
+
+
+def test_bfloat16_precision_quantize_lowers_for_triton():
+  f = lambda x: jq.quantize_linear(x, 2.0, precision=jnp.bfloat16, implementation=P)
+  text = jax.jit(f).trace(jnp.zeros((64, 256))).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "reduce_precision" not in text
