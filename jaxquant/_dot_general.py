@@ -483,13 +483,91 @@ def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
 
 def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
                   numbers, arguments, preferred_element_type):
-  accumulator = lax.conv_general_dilated(
-      lhs_values, rhs_values, dimension_numbers=numbers,
-      preferred_element_type=jnp.int32, **arguments,
-  )
+  def on_xla(lhs_values, rhs_values):
+    return lax.conv_general_dilated(
+        lhs_values, rhs_values, dimension_numbers=numbers,
+        preferred_element_type=jnp.int32, **arguments,
+    )
+
+  def by_taps(lhs_values, rhs_values):
+    return integer_conv_by_taps(lhs_values, rhs_values, numbers, **arguments)
+
+  # XLA:GPU cannot lower an integer convolution ("Can't lower one or more
+  # integer convolutions", jax 0.11.2, H100).
+  accumulator = lax.platform_dependent(lhs_values, rhs_values, cuda=by_taps, default=on_xla)
   scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
   return (accumulator.astype(jnp.float32) * scale).astype(
       _result_dtype(lhs, rhs, preferred_element_type))
+
+
+def integer_conv_by_taps(
+    lhs: jax.Array, rhs: jax.Array, numbers: lax.ConvDimensionNumbers, *,
+    window_strides: Sequence[int], padding: Any, lhs_dilation: Sequence[int] | None,
+    rhs_dilation: Sequence[int] | None, feature_group_count: int, batch_group_count: int,
+    out_sharding: Any = None,
+) -> jax.Array:
+  """``lax.conv_general_dilated`` of integer operands into int32, as one exact dot per tap.
+
+  For each position of the kernel's window, the input elements it meets
+  (a strided slice of the padded, dilated input) are contracted with that
+  tap's weights by :func:`jaxquant._matmul.exact_bfloat16_dot`; the taps'
+  int32 products are added. Each product is exact, so the sum is the
+  integer convolution whatever the order. Operands are int8, or int16 holding
+  differences of int8 values (``|v| <= 255``).
+  """
+  spatial = len(numbers.lhs_spec) - 2
+  window_strides = tuple(window_strides)
+  lhs_dilation = tuple(lhs_dilation or (1,) * spatial)
+  rhs_dilation = tuple(rhs_dilation or (1,) * spatial)
+  lhs = jnp.transpose(lhs, numbers.lhs_spec)  # (N, C, *S)
+  rhs = jnp.transpose(rhs, numbers.rhs_spec)  # (O, I, *K)
+  kernel = rhs.shape[2:]
+  dilated_kernel = [(k - 1) * d + 1 for k, d in zip(kernel, rhs_dilation)]
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(lhs.shape[2:], dilated_kernel, window_strides, padding)
+  lhs = lax.pad(lhs, np.zeros((), lhs.dtype), [(0, 0, 0), (0, 0, 0)] + [
+      (low, high, dilation - 1) for (low, high), dilation in zip(padding, lhs_dilation)])
+  out = [max(0, (n - k) // s + 1) for n, k, s in zip(lhs.shape[2:], dilated_kernel,
+                                                      window_strides)]
+  depth_limit = 2**24 // (_value_bound(lhs) * _value_bound(rhs))
+  depth_limit = 1 << (depth_limit.bit_length() - 1)
+  batch, channels = lhs.shape[:2]
+  outputs = rhs.shape[0]
+  total = None
+  for tap in np.ndindex(*kernel):
+    start = [t * d for t, d in zip(tap, rhs_dilation)]
+    window = lax.slice(
+        lhs, (0, 0, *start),
+        (batch, channels, *[b + (o - 1) * s + 1 if o else b
+                            for b, o, s in zip(start, out, window_strides)]),
+        (1, 1, *window_strides))
+    weights = rhs[(slice(None), slice(None)) + tap]  # (O, I)
+    if batch_group_count > 1:
+      # Batch group b meets output features [b * O / B, (b + 1) * O / B).
+      x = window.reshape(batch_group_count, batch // batch_group_count, channels, *out)
+      w = weights.reshape(batch_group_count, outputs // batch_group_count, channels)
+      product = _matmul.exact_bfloat16_dot(x, w, (((2,), (2,)), ((0,), (0,))),
+                                           depth_limit=depth_limit)  # (B, Nb, *out, Ob)
+      product = jnp.moveaxis(product, 0, -2).reshape(
+          batch // batch_group_count, *out, outputs)
+    else:
+      groups = feature_group_count
+      x = window.reshape(batch, groups, channels // groups, *out)
+      w = weights.reshape(groups, outputs // groups, channels // groups)
+      product = _matmul.exact_bfloat16_dot(x, w, (((2,), (2,)), ((1,), (0,))),
+                                           depth_limit=depth_limit)  # (G, N, *out, Og)
+      product = jnp.moveaxis(product, 0, -2).reshape(batch, *out, outputs)
+    total = product if total is None else total + product
+  result = jnp.moveaxis(total, -1, 1)  # (N, O, *out)
+  result = jnp.transpose(result, np.argsort(numbers.out_spec))
+  if out_sharding is not None:
+    result = jax.sharding.reshard(result, out_sharding)
+  return result
+
+
+def _value_bound(x: jax.Array) -> int:
+  """The largest magnitude an operand of :func:`integer_conv_by_taps` holds."""
+  return 128 if x.dtype.itemsize == 1 else 256
 
 
 def _rhs_per_output_feature(rhs, numbers):

@@ -180,7 +180,7 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
 
   * XLA:CPU: a product of at most :data:`_INT8_DOT_MAX_ROWS` (static) rows
     of lhs per batch runs as the int8 dot (:func:`_int8_rows_dot`); a larger
-    one as the bfloat16 dot of :func:`_bfloat16_dot`.
+    one as the bfloat16 dot of :func:`exact_bfloat16_dot`.
   * XLA:GPU (CUDA): the bfloat16 dot, on the tensor cores. XLA:GPU's own
     int8 x int8 -> int32 dot returned twice the sum for small operands
     ((5, 7) x (7, 3): every element doubled; jax 0.11.2, H100).
@@ -189,7 +189,7 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   (lhs_contracting, _), _ = dimension_numbers
   if lhs.dtype != _INT8 or rhs.dtype != _INT8 or len(lhs_contracting) != 1:
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
-  bfloat16 = functools.partial(_bfloat16_dot, dimension_numbers=dimension_numbers)
+  bfloat16 = functools.partial(exact_bfloat16_dot, dimension_numbers=dimension_numbers)
 
   def on_cpu(lhs, rhs):
     ((lhs_k,), _), (lhs_batch, _) = dimension_numbers
@@ -205,7 +205,8 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   return lax.platform_dependent(lhs, rhs, cpu=on_cpu, cuda=bfloat16, default=int8)
 
 
-def _bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
+def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
+                  depth_limit: int = _EXACT_FLOAT_DEPTH) -> jax.Array:
   """The int8 dot as a bfloat16 x bfloat16 -> float32 dot, exactly.
 
   bfloat16 holds every int8, each product is exact in float32, and each
@@ -213,23 +214,24 @@ def _bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arra
   magnitude <= 2**24, which float32 holds, in whatever order the backend
   adds. Deeper contractions run as slices of that depth, each its own dot
   (up to :data:`_MAX_SLICES`; more as one dot with the slices as a batch
-  dim), their sums added in int32.
+  dim), their sums added in int32. Integers of up to 256 in magnitude (int8
+  differences) are exact in bfloat16 too, with ``depth_limit`` lowered so
+  that a slice's sum stays within 2**24.
   """
   ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
   depth = lhs.shape[lhs_k]
-  chunks = -(-depth // _EXACT_FLOAT_DEPTH)
+  chunks = -(-depth // depth_limit)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
   if chunks <= _MAX_SLICES:
     def dot(lhs, rhs):
       return lax.dot_general(
           lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32).astype(jnp.int32)
-    return _sliced(dot, lhs, rhs, lhs_k, rhs_k, _EXACT_FLOAT_DEPTH)
+    return _sliced(dot, lhs, rhs, lhs_k, rhs_k, depth_limit)
 
   def split(x, k):
     # Zeros pad the last chunk: they add nothing to any sum.
-    x = jnp.pad(x, [(0, chunks * _EXACT_FLOAT_DEPTH - depth if d == k else 0) for d in range(
-        x.ndim)])
-    x = x.reshape(x.shape[:k] + (chunks, _EXACT_FLOAT_DEPTH) + x.shape[k + 1:])
+    x = jnp.pad(x, [(0, chunks * depth_limit - depth if d == k else 0) for d in range(x.ndim)])
+    x = x.reshape(x.shape[:k] + (chunks, depth_limit) + x.shape[k + 1:])
     return jnp.moveaxis(x, k, 0)
 
   # Moving each chunk axis to the front shifts every other dim up by one.

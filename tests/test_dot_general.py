@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _dot_general
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -405,3 +406,52 @@ def test_export_without_onnx_names_the_extra(monkeypatch):
   monkeypatch.setattr(builtins, "__import__", no_onnx)
   with pytest.raises(ImportError, match=r"jaxquant\[test\]"):
     jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule()))
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(2, 5, 9), kernel=(4, 5, 3), strides=(2,), padding="SAME", numbers=None),
+    dict(shape=(2, 9, 8, 3), kernel=(3, 3, 3, 4), strides=(1, 2), padding="VALID",
+         numbers=("NHWC", "HWIO", "NHWC"), rhs_dilation=(2, 1)),
+    dict(shape=(1, 6, 7, 7), kernel=(4, 3, 2, 3), strides=(1, 1), padding=((2, -1), (0, 3)),
+         numbers=None, lhs_dilation=(2, 1), feature_group_count=2),
+    dict(shape=(4, 3, 10), kernel=(6, 3, 3), strides=(1,), padding="SAME", numbers=None,
+         batch_group_count=2),
+    dict(shape=(1, 1500, 4), kernel=(2, 1500, 3), strides=(1,), padding="VALID",
+         numbers=None, lhs_dtype=np.int16),
+    dict(shape=(1, 3000, 2), kernel=(2, 3000, 1), strides=(1,), padding="VALID",
+         numbers=None, lhs_dtype=np.int16, largest=True),
+], ids=lambda case: f"{case['shape']}x{case['kernel']}")
+def test_integer_conv_on_cuda_is_the_integer_conv(case):
+  """CUDA's integer convolution (XLA:GPU lowers none), evaluated here: exact, one dot per tap."""
+  case = dict(case)
+  rng = np.random.default_rng(sum(case["shape"]))
+  lhs_dtype = case.pop("lhs_dtype", np.int8)
+  high = 256 if lhs_dtype == np.int16 else 128
+  lhs = rng.integers(-high + 1, high, case.pop("shape")).astype(lhs_dtype)
+  rhs = rng.integers(-128, 128, case.pop("kernel")).astype(np.int8)
+  if case.pop("largest", False):
+    # Sums past 2**24, where a float32 accumulation of too deep a slice rounds.
+    lhs, rhs = (high - 1 - np.abs(lhs) % 3).astype(lhs_dtype), (127 - np.abs(rhs) % 3).astype(
+        np.int8)
+  numbers = lax.conv_dimension_numbers(lhs.shape, rhs.shape, case.pop("numbers"))
+  options = dict(window_strides=case.pop("strides"), padding=case.pop("padding"),
+                 lhs_dilation=case.pop("lhs_dilation", None),
+                 rhs_dilation=case.pop("rhs_dilation", None),
+                 feature_group_count=case.pop("feature_group_count", 1),
+                 batch_group_count=case.pop("batch_group_count", 1))
+  want = lax.conv_general_dilated(lhs.astype(np.int32), rhs.astype(np.int32),
+                                  dimension_numbers=numbers, **options)
+  got = jax.jit(lambda l, r: _dot_general.integer_conv_by_taps(l, r, numbers, **options))(
+      lhs, rhs)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_integer_conv_lowered_for_cuda_holds_no_integer_convolution():
+  x, w = jnp.ones((2, 8, 8, 16)), jnp.ones((3, 3, 16, 4))
+  conv = lambda x: jq.conv_general_dilated_dynamic_int8(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  cuda = jax.jit(conv).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  cpu = jax.jit(conv).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+  assert "stablehlo.convolution" not in cuda and "stablehlo.convolution" in cpu
+  np.testing.assert_allclose(conv(x), jax.lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), rtol=0.02)

@@ -599,8 +599,9 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
   assert result.stdout.count("load average") == 2, result.stdout
 
 
-@pytest.mark.parametrize("shape", [(5, 7, 3), (1, 2048, 16), (3, 2500, 4)])
-def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape):
+@pytest.mark.parametrize("shape, largest", [
+    ((5, 7, 3), False), ((1, 2048, 16), False), ((3, 2500, 4), False), ((2, 9000, 3), True)])
+def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape, largest):
   """CUDA's int8 dot (lowered there as a bfloat16 dot), evaluated here: exact for any depth.
 
   XLA:GPU's own int8 x int8 -> int32 dot doubled every element of a (5, 7) x (7, 3) product
@@ -609,8 +610,10 @@ def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape):
   m, k, n = shape
   rng = np.random.default_rng(k)
   a, b = _integers(rng, np.int8, (m, k)), _integers(rng, np.int8, (k, n))
+  if largest:  # sums past 2**24 (9000 slices' worth), all of one sign
+    a, b = (-128 + np.abs(a) % 3).astype(np.int8), (-128 + np.abs(b) % 3).astype(np.int8)
   dims = (((1,), (0,)), ((), ()))
-  got = jax.jit(functools.partial(_matmul._bfloat16_dot, dimension_numbers=dims))(a, b)
+  got = jax.jit(functools.partial(_matmul.exact_bfloat16_dot, dimension_numbers=dims))(a, b)
   np.testing.assert_array_equal(got, a.astype(np.int32) @ b.astype(np.int32))
   text = jax.jit(lambda a, b: jq.matmul_integer(a, b)).trace(a, b).lower(
       lowering_platforms=("cuda",)).as_text()
