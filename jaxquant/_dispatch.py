@@ -26,16 +26,19 @@ class Route:
     op: the public op's name.
     dtype: the quantized dtype's name (``"int8"``, ``"int4"``, ...).
     layout: the parameters' granularity kind (``"per-tensor"``, ``"blocked"``, ...).
+    packed: whether the kernel would read sub-byte values packed in bytes
+      (``dequantize_linear``'s calls say; in an entry, ``None`` matches either).
   """
 
   op: str
   dtype: str | None = None
   layout: str | None = None
+  packed: bool | None = None
 
   def covers(self, call: Route) -> bool:
     """Whether this entry applies to ``call``."""
     return (self.op == call.op and self.dtype in (None, call.dtype)
-            and self.layout in (None, call.layout))
+            and self.layout in (None, call.layout) and self.packed in (None, call.packed))
 
 
 # Per platform (as lowered: "cpu", "cuda", "rocm", "tpu"), the routes whose
@@ -44,12 +47,14 @@ class Route:
 # the choice is made when the program is lowered, so one exported program runs
 # the kernel where it was measured faster and XLA elsewhere.
 # CUDA: of the kernels timed on an H100 (benchmarks/results/h100-kernels.md),
-# only blocked int4 dequantization was clearly faster (packed, to bfloat16);
-# the int8 ones ran at 0.91x to 1.15x XLA's speed depending on the output
-# dtype and layout, so XLA keeps them. On CPU the kernels run in
-# interpret mode, orders of magnitude slower than XLA; TPU is not yet timed.
+# only blocked int4 dequantization was clearly faster, reading packed bytes
+# (to bfloat16); the int8 ones ran at 0.91x to 1.15x XLA's speed depending on
+# the output dtype and layout, so XLA keeps them. An int4 array one value per
+# byte is not listed: it was not timed, and Triton has no 4-bit memory type.
+# On CPU the kernels run in interpret mode, orders of magnitude slower than
+# XLA; TPU is not yet timed.
 PALLAS_FASTER: dict[str, frozenset[Route]] = {
-    "cuda": frozenset({Route("dequantize_linear", "int4", "blocked")}),
+    "cuda": frozenset({Route("dequantize_linear", "int4", "blocked", packed=True)}),
 }
 
 

@@ -163,18 +163,19 @@ def _dequantize_linear(
       _dtypes.scale_float_dtype(parameters.scale.dtype) if output_dtype is None else output_dtype,
   )
   formula = functools.partial(_numerics.dequantize_formula, info=info, output_dtype=output_dtype)
-  call = _dispatch.Route("dequantize_linear", info.name, parameters.granularity.kind)
+  # The kernel reads whole bytes of whole elements. 6-bit codes straddle
+  # bytes, as do 2- and 4-bit ones across a row or block edge: XLA unpacks
+  # those first, to one element (float6: one code) per byte.
+  packed = packed_shape is not None and 8 % info.bits == 0 and _granularity.packable(
+      parameters.granularity, shape, 8 // info.bits)
+  call = _dispatch.Route("dequantize_linear", info.name, parameters.granularity.kind, packed)
   # An empty x has nothing for a kernel to do, and its packed bytes are unpacked.
   use_kernel = _dispatch.runs_kernel(call, implementation) and math.prod(shape) > 0
   # Elements per byte of x: 8 // bits while x holds packed bytes, else 1.
   per_byte = 1
   if packed_shape is not None:
     per_byte = 8 // info.bits
-    if not (use_kernel and 8 % info.bits == 0
-            and _granularity.packable(parameters.granularity, shape, per_byte)):
-      # The kernel reads whole bytes of whole elements. 6-bit codes straddle
-      # bytes, as do 2- and 4-bit ones across a row or block edge: XLA
-      # unpacks those first, to one element (float6: one code) per byte.
+    if not (use_kernel and packed):
       x, per_byte = _packing.unpacked(x, shape, info.dtype), 1
 
   def xla(x, parameters):

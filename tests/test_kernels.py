@@ -309,6 +309,12 @@ def test_default_implementation_runs_kernels_only_where_measured_faster():
   for platform, kernel in (("cuda", True), ("cpu", False), ("tpu", False)):
     text = blocked_int4.trace(packed, scales).lower(lowering_platforms=(platform,)).as_text()
     assert ("__gpu$xla.gpu.triton" in text or "tpu_custom_call" in text) == kernel, platform
+  # Not timed, and Triton has no 4-bit memory type: int4 one value per byte stays on XLA.
+  unpacked = jax.jit(lambda x, s: jq.dequantize_linear(
+      x, s, axis=1, block_size=32, output_dtype=jnp.bfloat16))
+  text = unpacked.trace(jnp.zeros((8, 128), jnp.int4), scales).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" not in text
 
 
 def test_default_implementation_follows_the_routes_dtype_and_layout(monkeypatch):
