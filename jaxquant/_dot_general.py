@@ -72,9 +72,9 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8):
       "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
       error=TypeError,
   )
-  values = _word_unpacked(rhs)
-  if values is None:
-    values = _packing.unpack(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
+  values = rhs.values
+  if rhs.packed:
+    values = _packing.unpacked_values(values, rhs.shape, _dtypes.quantized_dtype("dtype", rhs.dtype))
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
     shape[rhs.axis] = rhs.shape[rhs.axis]
@@ -281,45 +281,10 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
-def _word_unpacked(weight: _params.QuantizedArray) -> jax.Array | None:
-  """Packed 2- and 4-bit integer values as int8 (uint8), the same numbers; else ``None``.
-
-  :func:`_packing.unpack_integers` unpacks whole 32-bit words, several times
-  faster on XLA:CPU than ``unpack`` (whose int4 array XLA:CPU also converts
-  slowly). It needs whole words: of the flat bit stream, or of each row
-  (``pack(layout="rows")``).
-  """
-  info = _dtypes.quantized_dtype("dtype", weight.dtype)
-  per_row = int(np.prod(weight.shape)) if weight.values.ndim == 1 else weight.shape[-1]
-  if not (weight.packed and info.is_integer and info.bits in (2, 4)
-          and per_row * info.bits % 32 == 0):
-    return None
-  return _packing.unpack_integers(
-      weight.values, info.bits, signed=info.min < 0).reshape(weight.shape)
-
-
-def _dequantized(weight: _params.QuantizedArray) -> jax.Array:
-  """``weight.dequantize()``, bit for bit, from :func:`_word_unpacked` values where it can.
-
-  The 8-bit values and zero point are the same numbers, so
-  ``dequantize_linear``'s formula gives the same floats.
-  """
-  values = _word_unpacked(weight)
-  if values is None:
-    return weight.dequantize()
-  zero_point = weight.zero_point
-  if zero_point is not None:
-    zero_point = zero_point.astype(values.dtype)
-  return _linear.dequantize_linear(
-      values, weight.scale, zero_point, axis=weight.axis, block_size=weight.block_size,
-      output_dtype=weight.output_dtype,
-  )
-
-
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
   """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
   if isinstance(rhs, _params.QuantizedArray):
-    return _dequantized(rhs)
+    return rhs.dequantize()
   rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
   contracting = [d % rhs.ndim for d in contracting]
   _validate.check(
@@ -650,7 +615,7 @@ def conv_general_dilated_weight_only(
   """
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   if isinstance(rhs, _params.QuantizedArray):
-    weight = _dequantized(rhs)
+    weight = rhs.dequantize()
   else:
     rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
     out_feature, in_feature = numbers.rhs_spec[:2]

@@ -1,5 +1,6 @@
 """Quantized matmul: MatMulInteger, QLinearMatMul, MatMulNBits, quantized_dot_general."""
 
+import dataclasses
 import functools
 
 import jax
@@ -219,12 +220,13 @@ def test_unpack_integers_is_unpack(dtype):
 ])
 @pytest.mark.parametrize("shape", [(64, 48), (33, 7)])  # whole words, and not (dequantize())
 def test_weight_only_stored_packed_weight_is_its_dequantize(rule, shape):
-  """dot_general_weight_only's word-wise unpacking of a stored weight: dequantize()'s bits."""
+  """Word-wise unpacking of a stored weight (whole words): the unpacked weight's bits."""
   rng = np.random.default_rng(shape[1])
-  weight = jq.quantize_params(rng.standard_normal(shape).astype(np.float32), rule)
-  expected = np.asarray(weight.dequantize())
-  for dequantized in (jq._dot_general._dequantized, jax.jit(jq._dot_general._dequantized)):
-    got = np.asarray(dequantized(weight))
+  w = rng.standard_normal(shape).astype(np.float32)
+  weight = jq.quantize_params(w, rule)
+  expected = np.asarray(jq.quantize_params(w, dataclasses.replace(rule, packed=False)).dequantize())
+  for dequantize in (lambda w: w.dequantize(), jax.jit(lambda w: w.dequantize())):
+    got = np.asarray(dequantize(weight))
     np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
   x = rng.standard_normal((3, shape[0])).astype(np.float32)
   np.testing.assert_array_equal(jq.dot_general_weight_only(x, weight, _DIMS),
