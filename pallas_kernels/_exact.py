@@ -57,9 +57,9 @@ def round_mantissa(x: jax.Array, mantissa_bits: int) -> jax.Array:
   the exponent and up to infinity as it should; NaN is kept.
   """
   dropped = jnp.finfo(np.float32).nmant - mantissa_bits
-  bits = lax.bitcast_convert_type(x, jnp.uint32)
   if dropped <= 0:
     return x
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
   odd = (bits >> np.uint32(dropped)) & np.uint32(1)
   half = np.uint32((1 << (dropped - 1)) - 1)
   kept = (bits + half + odd) & np.uint32(~((1 << dropped) - 1) & 0xFFFFFFFF)
