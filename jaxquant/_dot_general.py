@@ -72,9 +72,7 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8):
       "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
       error=TypeError,
   )
-  values = rhs.values
-  if rhs.packed:
-    values = _packing.unpacked_values(values, rhs.shape, _dtypes.quantized_dtype("dtype", rhs.dtype))
+  values = _packing.unpacked_values(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
     shape[rhs.axis] = rhs.shape[rhs.axis]
@@ -121,8 +119,8 @@ def _static_lhs(lhs, input_scale, input_zero_point):
     if input_zero_point.weak_type:
       input_zero_point = input_zero_point.astype(jnp.int8)
     _validate.check(
-        input_zero_point.dtype in (np.dtype(np.int8), np.dtype(np.uint8)), "input_zero_point.dtype", "int8 or uint8", input_zero_point.dtype.name,
-        error=TypeError,
+        input_zero_point.dtype in (np.dtype(np.int8), np.dtype(np.uint8)),
+        "input_zero_point.dtype", "int8 or uint8", input_zero_point.dtype.name, error=TypeError,
     )
   values = _linear.quantize_linear(
       lhs, input_scale.reshape(()),
@@ -495,9 +493,15 @@ def integer_conv_by_taps(
   out = [max(0, (n - k) // s + 1) for n, k, s in zip(lhs.shape[2:], dilated_kernel,
                                                       window_strides)]
   depth_limit = 2**24 // (_value_bound(lhs) * _value_bound(rhs))
-  depth_limit = 1 << (depth_limit.bit_length() - 1)
   batch, channels = lhs.shape[:2]
   outputs = rhs.shape[0]
+  if batch_group_count > 1:
+    # Batch group b meets output features [b * O / B, (b + 1) * O / B).
+    groups, x_shape, x_batch = batch_group_count, (
+        batch_group_count, batch // batch_group_count, channels), 0
+  else:
+    groups, x_shape, x_batch = feature_group_count, (
+        batch, feature_group_count, channels // feature_group_count), 1
   total = None
   for tap in np.ndindex(*kernel):
     start = [t * d for t, d in zip(tap, rhs_dilation)]
@@ -506,22 +510,11 @@ def integer_conv_by_taps(
         (batch, channels, *[b + (o - 1) * s + 1 if o else b
                             for b, o, s in zip(start, out, window_strides)]),
         (1, 1, *window_strides))
-    weights = rhs[(slice(None), slice(None)) + tap]  # (O, I)
-    if batch_group_count > 1:
-      # Batch group b meets output features [b * O / B, (b + 1) * O / B).
-      x = window.reshape(batch_group_count, batch // batch_group_count, channels, *out)
-      w = weights.reshape(batch_group_count, outputs // batch_group_count, channels)
-      product = _matmul.exact_bfloat16_dot(x, w, (((2,), (2,)), ((0,), (0,))),
-                                           depth_limit=depth_limit)  # (B, Nb, *out, Ob)
-      product = jnp.moveaxis(product, 0, -2).reshape(
-          batch // batch_group_count, *out, outputs)
-    else:
-      groups = feature_group_count
-      x = window.reshape(batch, groups, channels // groups, *out)
-      w = weights.reshape(groups, outputs // groups, channels // groups)
-      product = _matmul.exact_bfloat16_dot(x, w, (((2,), (2,)), ((1,), (0,))),
-                                           depth_limit=depth_limit)  # (G, N, *out, Og)
-      product = jnp.moveaxis(product, 0, -2).reshape(batch, *out, outputs)
+    x = window.reshape(*x_shape, *out)
+    w = rhs[(slice(None), slice(None)) + tap].reshape(groups, outputs // groups, x_shape[2])
+    product = _matmul.exact_bfloat16_dot(  # (groups, rows, *out, outputs per group)
+        x, w, (((2,), (2,)), ((x_batch,), (0,))), depth_limit=depth_limit)
+    product = jnp.moveaxis(product, 0, -2).reshape(product.shape[1], *out, outputs)
     total = product if total is None else total + product
   result = jnp.moveaxis(total, -1, 1)  # (N, O, *out)
   result = jnp.transpose(result, np.argsort(numbers.out_spec))

@@ -176,11 +176,11 @@ def _dequantize_linear(
   if packed_shape is not None:
     per_byte = 8 // info.bits
     if not (use_kernel and packed):
-      x, per_byte = _packing.unpacked_values(x, shape, info), 1
+      x, per_byte = _packing.unpacked_values(x, shape, info.dtype), 1
 
   def xla(x, parameters):
     if per_byte > 1:
-      x = _packing.unpacked_values(x, shape, info)
+      x = _packing.unpacked_values(x, shape, info.dtype)
     return parameters.apply(formula, x)
 
   def kernel(x, parameters):

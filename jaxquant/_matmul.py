@@ -206,7 +206,7 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
 
 
 def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
-                  depth_limit: int = _EXACT_FLOAT_DEPTH) -> jax.Array:
+                       depth_limit: int = _EXACT_FLOAT_DEPTH) -> jax.Array:
   """The int8 dot as a bfloat16 x bfloat16 -> float32 dot, exactly.
 
   bfloat16 holds every int8, each product is exact in float32, and each

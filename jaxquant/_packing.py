@@ -452,9 +452,7 @@ def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax
   return from_codes(_unpack_codes(packed, math.prod(shape), info.bits), info).reshape(shape)
 
 
-def unpacked_values(
-    packed: jax.Array, shape: tuple[int, ...], info: _dtypes.QuantizedDType
-) -> jax.Array:
+def unpacked_values(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
   """:func:`unpacked`'s values, as int8 (uint8) for integer 2- and 4-bit ones in whole words.
 
   The same numbers, for arithmetic: :func:`unpack_integers` reads whole
@@ -462,6 +460,7 @@ def unpacked_values(
   several times faster on XLA:CPU than building an int4 array, which it
   also converts slowly. Other dtypes and layouts: :func:`unpacked`.
   """
+  info = _dtypes.quantized_dtype("dtype", dtype)
   static = all(isinstance(d, int) for d in (*packed.shape, *shape))
   # Under explicit sharding a split last dim would not survive the words'
   # reshapes: the bytes are then unpacked one stream group at a time.
@@ -471,7 +470,7 @@ def unpacked_values(
     per_row = math.prod(shape) if packed.ndim == 1 else shape[-1]
     if per_row * info.bits % 32 == 0:
       return unpack_integers(packed, info.bits, signed=info.min < 0).reshape(shape)
-  return unpacked(packed, shape, info.dtype)
+  return unpacked(packed, shape, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
