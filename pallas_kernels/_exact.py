@@ -13,7 +13,10 @@ every backend.
 
 The same re-evaluation drops optimization barriers, which no kernel backend
 lowers: jaxquant's division places one so that XLA cannot constant-fold its
-guard, and inside a kernel the operands are loads, never constants. It
+guard, and inside a kernel the operands are loads, never constants. With the
+PTX division the guard itself (a zero computed as ``clz(v) >> k``, which XLA's
+simplifier cannot see through) is given as zeros: Triton never rewrites a
+division, and its clz would be a binary search per element. It
 resolves ``lax.platform_dependent`` to its default branch: a formula's
 platform branches are XLA's (an XLA:CPU conversion, XLA:GPU's division in
 float64), and a kernel's own needs are these replacements. Two more
@@ -129,7 +132,14 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
     env[var] = value
   for var, value in zip(jaxpr.invars, args):
     env[var] = value
+  zeros, dead = _division_guard(jaxpr) if divide else (set(), set())
   for equation in jaxpr.eqns:
+    if equation.outvars[0] in zeros:
+      (out,) = equation.outvars
+      env[out] = jnp.zeros(out.aval.shape, out.aval.dtype)
+      continue
+    if equation.outvars[0] in dead:
+      continue
     inputs = [read(v) for v in equation.invars]
     replacement = _replacement(equation, divide=divide, rounding=rounding)
     inner = equation.params.get("jaxpr")
@@ -153,6 +163,33 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
     for var, value in zip(equation.outvars, outputs):
       env[var] = value
   return [read(v) for v in jaxpr.outvars]
+
+
+def _is_guard_zero(equation, clz_outputs) -> bool:
+  """Whether ``equation`` is ``clz(v) >> k`` with ``2**k`` above v's width: 0 for every v."""
+  if equation.primitive is not lax.shift_right_logical_p:
+    return False
+  value, amount = equation.invars
+  return (isinstance(value, jax_core.Var) and value in clz_outputs
+          and isinstance(amount, jax_core.Literal)
+          and bool(np.all(np.asarray(amount.val) >= (8 * value.aval.dtype.itemsize).bit_length())))
+
+
+def _division_guard(jaxpr) -> tuple[set, set]:
+  """The outputs of :func:`_is_guard_zero` equations, and what only they read.
+
+  jaxquant guards a division with such a zero, which XLA cannot see. Triton
+  never rewrites a division, so with PTX division the zero is given as zeros
+  and what computed its operand (a clz, a binary search on Triton) is skipped.
+  """
+  clz_outputs = {e.outvars[0] for e in jaxpr.eqns if e.primitive is lax.clz_p}
+  zeros = {e.outvars[0] for e in jaxpr.eqns if _is_guard_zero(e, clz_outputs)}
+  live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+  for equation in reversed(jaxpr.eqns):
+    if equation.outvars[0] not in zeros and live.intersection(equation.outvars):
+      live.update(v for v in equation.invars if isinstance(v, jax_core.Var))
+  dead = {e.outvars[0] for e in jaxpr.eqns if not live.intersection(e.outvars)}
+  return zeros, dead - zeros
 
 
 def exact(

@@ -10,6 +10,7 @@ the inputs sit on rounding ties for their scale, where a reciprocal multiply is
 wrong for about one quotient in five.
 """
 
+import functools
 import re
 
 import jax
@@ -127,6 +128,29 @@ def test_dynamic_quantize(options, implementation):
   _assert_all_equal([constant], eager)
   fake = jax.jit(lambda: jq.fake_quantize_dynamic(jnp.asarray(x), dtype=jnp.int8, **options))()
   _assert_all_equal([fake], jq.fake_quantize_dynamic(x, dtype=jnp.int8, **options))
+
+
+def test_splat_and_vmapped_constants():
+  # XLA turns a constant of equal elements into a broadcast, and vmap
+  # broadcasts whatever is not batched: neither may expose a broadcast divisor.
+  scale = np.float32(0.91362804)
+  op = functools.partial(jq.quantize_linear, output_dtype=jnp.int8)
+  expected = np.full((4, 256), 62, np.int8)  # 57.101753 / scale = 62.5 in float32
+  splat = jnp.full((4, 256), 57.101753, jnp.float32)
+  ties = _ties((4, 256), scale)
+  results = [
+      jax.jit(lambda s: op(splat, s))(scale),
+      jax.jit(lambda s: op(jnp.full((4, 256), 57.101753, jnp.float32), s))(scale),
+      jax.jit(jax.vmap(lambda s: op(splat[0], s)))(jnp.full(4, scale)),
+      jax.jit(jax.vmap(lambda x: op(x, scale)))(splat),
+      jax.jit(jax.vmap(op, in_axes=(0, None)))(splat, scale),
+      jax.jit(lambda: jax.vmap(lambda x: op(x, scale))(splat))(),
+      jax.jit(lambda s: jax.vmap(lambda x: op(x, s))(splat))(scale),
+  ]
+  _assert_all_equal(results, [expected] * len(results))
+  ties_expected = np.clip(np.rint(ties / scale), -128, 127).astype(np.int8)
+  _assert_all_equal([jax.jit(jax.vmap(lambda s: op(jnp.asarray(ties), s)))(
+      jnp.full(3, scale))], [np.broadcast_to(ties_expected, (3, 4, 256))])
 
 
 def test_compiled_program_divides():

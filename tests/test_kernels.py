@@ -745,6 +745,24 @@ def test_float8_e4m3fnuz_on_cuda():
       jnp.zeros((64, 256), jnp.float8_e4m3fnuz)).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_cuda_kernels_divide_without_the_xla_guard(dtype):
+  # The guard's zero (clz(v) >> k) steers XLA's simplifier; in a CUDA kernel
+  # it would be a binary search per element for nothing. With the PTX
+  # division it is zeros, and the division keeps its bits.
+  with jax.enable_x64(dtype == jnp.float64):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 128)), dtype)
+    divisor = jnp.asarray(rng.uniform(0.5, 2.0, (8, 128)), dtype)
+    on_cuda = jax.make_jaxpr(_exact.exact(_numerics.guarded_divide, divide=True))(x, divisor)
+    interpreted = jax.make_jaxpr(_exact.exact(_numerics.guarded_divide, divide=False))(x, divisor)
+    primitives = {e.primitive.name for e in on_cuda.eqns}
+    assert not primitives & {"clz", "shift_left", "shift_right_logical", "iota", "xor"}, primitives
+    assert "shift_left" in {e.primitive.name for e in interpreted.eqns}  # clz by binary search
+    got = jax.jit(_exact.exact(_numerics.guarded_divide, divide=False))(x, divisor)
+    np.testing.assert_array_equal(got, np.asarray(x) / np.asarray(divisor))
+
+
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32, jnp.int32, jnp.int64])
 def test_count_leading_zeros_equals_clz(dtype):
   width = 8 * jnp.dtype(dtype).itemsize
