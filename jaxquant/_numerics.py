@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax import custom_batching
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -274,16 +275,18 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
   * XLA rewrites division by a broadcast operand into multiplication by its
     reciprocal, which moves 12-43% of float32 quotients by one ulp and flips
     rounding ties (docs/numerics.md, "XLA traps the library avoids"). The
-    divisor is the scale with a zero OR-ed into its bits that is computed
-    from x: ``clz(bits(x)) >> 6`` (``>> 7`` for float64) is 0 for every x,
-    as a count of leading zeros never exceeds the width. XLA's simplifier
-    does not know that, so the divisor depends on x element-wise, is no
-    broadcast and the division stays; ``vmap`` batches it like x. LLVM does
-    know it (the range of ``ctlz``) and drops the term: the compiled loop
-    divides by the scale held in a register, with nothing added. When x is a
-    compile-time constant (a weight closed over by ``jit``), XLA would fold
-    the zero and rewrite the division after all: x reaches it through an
-    optimization barrier, which XLA drops after simplification.
+    divisor is the scale with a zero OR-ed into its bits: ``clz(v) >> 6``
+    (``>> 7`` for float64) is 0 for every v, as a count of leading zeros
+    never exceeds the width. XLA's simplifier does not know that, so the
+    divisor varies element-wise, is no broadcast and the division stays.
+    LLVM does know it (the range of ``ctlz``) and drops the term: the
+    compiled loop divides by the scale held in a register, with nothing
+    added. v is x's bits XOR-ed with element positions times a zero behind
+    an optimization barrier: neither a constant x (a weight closed over by
+    ``jit``) nor one of equal elements (which XLA makes a broadcast) lets
+    XLA fold v or see it as a broadcast, and the positions span ``vmap``'s
+    batch dims (:func:`_positions`). The barrier holds one scalar, so it
+    cuts no fusion (jax 0.11 keeps barriers until after fusion).
   * XLA:GPU emits float32 division as PTX ``div.full.f32``, within 2 ulp, not
     rounded correctly (openxla/xla#37181). On CUDA a float32 quotient is
     divided in float64 (``div.rn.f64``) and rounded to float32: 53 >= 2 * 24
@@ -306,8 +309,32 @@ def guarded_divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
   """``x / divisor`` (same shape and dtype) that XLA keeps a division (:func:`true_divide`)."""
   uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
   width = 8 * x.dtype.itemsize
-  zero = lax.clz(lax.bitcast_convert_type(lax.optimization_barrier(x), uint)) >> width.bit_length()
+  opaque_zero = lax.optimization_barrier(jnp.zeros((), uint))
+  positions = _positions(lax.stop_gradient(x)).astype(uint)
+  varied = lax.bitcast_convert_type(x, uint) ^ (positions * opaque_zero)
+  zero = lax.clz(varied) >> width.bit_length()
   return x / lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
+
+
+@custom_batching.custom_vmap
+def _positions(x: jax.Array) -> jax.Array:
+  """uint32 integers of x's shape that vary along each of its dims.
+
+  x's values are not read. Under ``vmap`` the positions span the batch dims
+  too: an ``iota`` alone is not batched, and the broadcast along them that
+  ``vmap`` adds would let XLA treat a divisor as a broadcast after all. (The
+  type is fixed: the batching rule may run outside ``jax.enable_x64``.)
+  """
+  positions = jnp.zeros(x.shape, jnp.uint32)
+  for dim in range(x.ndim):
+    positions = positions + lax.broadcasted_iota(jnp.uint32, x.shape, dim)
+  return positions
+
+
+@_positions.def_vmap
+def _positions_vmap(axis_size, in_batched, x):
+  del axis_size
+  return _positions(x), in_batched[0]
 
 
 def divide_in_float64(x: jax.Array, divisor: jax.Array) -> jax.Array:

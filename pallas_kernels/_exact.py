@@ -142,7 +142,9 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
       continue
     inputs = [read(v) for v in equation.invars]
     replacement = _replacement(equation, divide=divide, rounding=rounding)
-    inner = equation.params.get("jaxpr")
+    # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...), and
+    # custom_vmap functions, which a kernel body never batches.
+    inner = equation.params.get("jaxpr", equation.params.get("call"))
     if equation.params.get("branches_platforms"):
       # lax.platform_dependent: its default branch (the one for no named platform).
       default = equation.params["branches_platforms"].index(None)
@@ -153,7 +155,6 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
     elif replacement is not None:
       outputs = replacement(*inputs)
     elif isinstance(inner, jax_core.ClosedJaxpr):
-      # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...).
       outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide,
                           rounding=rounding)
     else:
