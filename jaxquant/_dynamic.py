@@ -21,22 +21,26 @@ from jaxquant import _validate
 import pallas_kernels
 
 
-def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, view):
-  """A NaN-ignoring reduction of ``view``, the fastest way per backend.
+def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
+  """A NaN-ignoring reduction of ``prepare(x)``, the fastest way per backend.
 
   XLA:CPU vectorizes a plain min or max, but not a reduction with a select
   inside, variadic or not (an order of magnitude slower, measured): there
   ``plain`` runs, and ``nan_aware`` only when NaN propagated into its result.
   Other backends are not measured yet and keep ``nan_aware_in_one_pass``.
+  ``prepare`` (a conversion, an ``abs``) runs inside each branch, fused into
+  its reduction: the operand of the NaN ``cond`` is x itself, as an operand
+  is written out whole.
   """
 
-  def plain_unless_nan(view):
-    result = plain(view)
+  def plain_unless_nan(x):
+    result = plain(prepare(x))
     has_nan = functools.reduce(
         jnp.logical_or, [jnp.any(jnp.isnan(r)) for r in jax.tree.leaves(result)])
-    return lax.cond(has_nan, nan_aware, lambda _: result, view)
+    return lax.cond(has_nan, lambda x: nan_aware(prepare(x)), lambda _: result, x)
 
-  return lax.platform_dependent(view, cpu=plain_unless_nan, default=nan_aware_in_one_pass)
+  return lax.platform_dependent(
+      x, cpu=plain_unless_nan, default=lambda x: nan_aware_in_one_pass(prepare(x)))
 
 
 def _reduce(values, initial, combine, axes, *, keepdims=False, windows=None):
@@ -50,6 +54,19 @@ def _reduce(values, initial, combine, axes, *, keepdims=False, windows=None):
     return _granularity.reduce_windows(values, combine, windows)
   reduce = {lax.min: jnp.min, lax.max: jnp.max}[combine]
   return reduce(values, axes, keepdims=keepdims, initial=initial)
+
+
+def _across_threads(reduce, values, axes):
+  """``reduce(values, axes)``; to a scalar, first over all but the leading dim, then over it.
+
+  XLA:CPU runs a reduction to a scalar on one thread and splits one to a
+  vector across its threads (docs/numerics.md, "Speed on XLA:CPU"). Only
+  order-free reductions (min, max) may be split: the result is the same.
+  """
+  shape = jax.tree.leaves(values)[0].shape
+  if len(shape) < 2 or len(axes) != len(shape) or not isinstance(shape[0], int) or shape[0] < 2:
+    return reduce(values, axes)
+  return reduce(reduce(values, axes[1:]), (0,))
 
 
 def _order_key(x, *, inverse: bool = False):
@@ -75,7 +92,6 @@ def _min_max(
   so the statistics are too: float64 x is rounded to float32 first, which is
   also how quantizing it by a float32 scale sees it.
   """
-  view = view.astype(jnp.float32)
   inf = np.float32(np.inf)
   low_high = functools.partial(_reduce, axes=axes, keepdims=keepdims, windows=windows)
 
@@ -96,10 +112,11 @@ def _min_max(
         lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
     )
 
+  to_float32 = lambda view: view.astype(jnp.float32)
   if keepdims:
     # A kernel block is already on chip: two plain reductions, which Mosaic
     # and Triton lower.
-    return nan_aware(view)
+    return nan_aware(to_float32(view))
   def variadic(view):
     # One variadic reduce reads x once: without a select inside, XLA:CPU
     # vectorizes it (measured faster than two plain reductions at 1M).
@@ -115,10 +132,11 @@ def _min_max(
     # propagation and -0 < +0, which the keys keep: the results are the same
     # floats). Its derivative is the float reduce's.
     key = _order_key(view)
-    low, high = lax.reduce(
-        (key, key), (_order_key(inf), _order_key(-inf)),
-        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
-    )
+    low, high = _across_threads(
+        lambda values, axes: lax.reduce(
+            values, (_order_key(inf), _order_key(-inf)),
+            lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes),
+        (key, key), axes)
     return _order_key(low, inverse=True), _order_key(high, inverse=True)
 
   on_keys.defjvp(lambda primals, tangents: jax.jvp(variadic, primals, tangents))
@@ -128,14 +146,13 @@ def _min_max(
       return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)
     return on_keys(view)
 
-  return _ignoring_nan(plain, nan_aware, one_pass, view)
+  return _ignoring_nan(plain, nan_aware, one_pass, view, to_float32)
 
 
 def _max_magnitude(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False,
     windows: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array]:
-  magnitude = jnp.abs(view.astype(jnp.float32))
   # initial=0: an empty x (or block) has max|x| = 0, hence scale 1.
   maximum = functools.partial(
       _reduce, initial=np.float32(0), combine=lax.max, axes=axes, keepdims=keepdims,
@@ -145,9 +162,12 @@ def _max_magnitude(
   def nan_aware(magnitude):
     return maximum(jnp.where(jnp.isnan(magnitude), 0, magnitude))
 
+  magnitude = lambda view: jnp.abs(view.astype(jnp.float32))
   if keepdims:
-    return (nan_aware(magnitude),)
-  return (_ignoring_nan(maximum, nan_aware, nan_aware, magnitude),)
+    return (nan_aware(magnitude(view)),)
+  # Not split across threads (_across_threads): XLA:CPU hands a float max to
+  # YNNPACK, whose reduction to rows was slower than to a scalar (measured).
+  return (_ignoring_nan(maximum, nan_aware, nan_aware, view, magnitude),)
 
 
 def _asymmetric_parameters(low, high, *, info):
