@@ -165,9 +165,13 @@ def _max_magnitude(
   magnitude = lambda view: jnp.abs(view.astype(jnp.float32))
   if keepdims:
     return (nan_aware(magnitude(view)),)
-  # Not split across threads (_across_threads): XLA:CPU hands a float max to
-  # YNNPACK, whose reduction to rows was slower than to a scalar (measured).
-  return (_ignoring_nan(maximum, nan_aware, nan_aware, view, magnitude),)
+  if windows is not None:
+    return (_ignoring_nan(maximum, nan_aware, nan_aware, view, magnitude),)
+  # max|x| = max(-min x, max x, 0), the same float. XLA:CPU reduces the min
+  # and max keys in vectorized code across threads; a float max it hands to
+  # YNNPACK, with |x| (or x converted) written out first.
+  low, high = _min_max(view, axes)
+  return (jnp.maximum(jnp.maximum(-low, high), np.float32(0)),)
 
 
 def _asymmetric_parameters(low, high, *, info):
