@@ -34,7 +34,10 @@ _INT8 = _dtypes.quantized_dtype("dtype", jnp.int8)
 
 def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
   """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
-  (magnitude,) = _dynamic._max_magnitude(x, tuple(reduced), keepdims=True)
+  # Not keepdims (a kernel's reduction, NaN-aware in one pass): XLA:CPU then
+  # reduces integer keys, with no |x| written out and no constant x folded.
+  (magnitude,) = _dynamic._max_magnitude(x, tuple(reduced))
+  magnitude = jnp.expand_dims(magnitude, tuple(reduced))
   scale, _ = _dynamic._symmetric_parameters(magnitude, info=info)
   return scale
 

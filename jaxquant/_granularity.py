@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -21,6 +22,7 @@ from jax import export
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _numerics
 from jaxquant import _validate
 
 Kind = Literal["per-tensor", "per-axis", "blocked", "block-wise broadcast"]
@@ -323,8 +325,31 @@ def reduce_windows(
         return tail
       head = reduce_windows(lax.slice_in_dim(x, 0, whole, axis=d), combine, windows)
       return jnp.concatenate([head, tail], axis=d)
-  identity = np.array(np.inf if combine is lax.min else -np.inf, x.dtype)
-  return lax.reduce_window(x, identity, combine, windows, windows, "VALID")
+  return _reduce_whole_windows(x, combine, windows)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _reduce_whole_windows(x, combine, windows):
+  """``reduce_window`` with an identity XLA cannot see, so a constant x is not folded.
+
+  XLA's evaluator took about a second per million elements of a closed-over
+  x to fold it while compiling; the windows take about a millisecond to run.
+  The derivative is that of the plain ``reduce_window_min``/``max``.
+  """
+  return lax.reduce_window(x, _numerics.unfolded(_identity(combine, x.dtype)), combine,
+                           windows, windows, "VALID")
+
+
+@_reduce_whole_windows.defjvp
+def _reduce_whole_windows_jvp(combine, windows, primals, tangents):
+  return jax.jvp(
+      lambda x: lax.reduce_window(x, _identity(combine, x.dtype), combine, windows, windows,
+                                  "VALID"),
+      primals, tangents)
+
+
+def _identity(combine, dtype) -> np.ndarray:
+  return np.array(np.inf if combine is lax.min else -np.inf, dtype)
 
 
 def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:

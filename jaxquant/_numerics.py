@@ -309,11 +309,37 @@ def guarded_divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
   """``x / divisor`` (same shape and dtype) that XLA keeps a division (:func:`true_divide`)."""
   uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
   width = 8 * x.dtype.itemsize
-  opaque_zero = lax.optimization_barrier(jnp.zeros((), uint))
   positions = _positions(lax.stop_gradient(x)).astype(uint)
-  varied = lax.bitcast_convert_type(x, uint) ^ (positions * opaque_zero)
+  varied = lax.bitcast_convert_type(x, uint) ^ (positions * opaque_zero(uint))
   zero = lax.clz(varied) >> width.bit_length()
   return x / lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
+
+
+def opaque_zero(dtype: Any) -> jax.Array:
+  """A scalar zero that XLA's simplifier and constant folding cannot see.
+
+  It sits behind an optimization barrier, which XLA removes only after
+  simplification (jax 0.10) or after fusion (jax 0.11), so what depends on
+  it is neither folded nor rewritten; a scalar, so it cuts no fusion.
+  """
+  return lax.optimization_barrier(jnp.zeros((), dtype))
+
+
+@jax.custom_jvp
+def unfolded(x: jax.Array) -> jax.Array:
+  """x, which XLA cannot constant-fold: its bits XOR-ed with :func:`opaque_zero`.
+
+  For what reads a closed-over x that XLA would otherwise evaluate while
+  compiling (a sort took minutes for a million elements), where x is
+  written out anyway: the XOR is a producer XLA may not fuse. The
+  derivative is the identity's.
+  """
+  uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  bits = lax.bitcast_convert_type(x, uint) ^ opaque_zero(uint)
+  return lax.bitcast_convert_type(bits, x.dtype)
+
+
+unfolded.defjvp(lambda primals, tangents: (unfolded(*primals), *tangents))
 
 
 @custom_batching.custom_vmap

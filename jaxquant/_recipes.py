@@ -59,7 +59,9 @@ def _blocks(x: jax.Array, granularity: _granularity.Granularity) -> jax.Array:
 
 
 def _percentile(x, granularity, q):
-  magnitude = jnp.abs(_blocks(x, granularity))
+  # The sort writes its input out anyway; a closed-over x would be sorted at
+  # compile time (28 s for 256K elements, measured).
+  magnitude = _numerics.unfolded(jnp.abs(_blocks(x, granularity)))
   if magnitude.shape[-1] == 0:
     # An empty block has no percentile; its scale is 1, as for an all-zero one.
     return jnp.zeros(granularity.param_shape, jnp.float32)

@@ -161,3 +161,29 @@ def test_compiled_program_divides():
   ).lower(np.float32(0.91362804)).compile().as_text()
   # An element-wise divide, not the scalar 1 / scale of a reciprocal multiply.
   assert re.search(r"f32\[256\]\{0\} divide\(", compiled), compiled
+
+
+_STATISTICS = {
+    "absmax per axis": lambda w: jq.choose_qparams(w, jnp.int8, axis=1),
+    "minmax per tensor": lambda w: jq.choose_qparams(w, jnp.uint8, method="minmax"),
+    "percentile": lambda w: jq.choose_qparams(w, jnp.int8, method="percentile"),
+    "absmax in blocks": lambda w: jq.choose_qparams(w, jnp.int4, axis=1, block_size=32),
+    "dynamic uint8": lambda w: jq.dynamic_quantize_linear(w),
+    "dynamic symmetric per row": lambda w: jq.dynamic_quantize_linear(
+        w, dtype=jnp.int8, axis=0, symmetric=True),
+    "dynamic int8 dot": lambda w: jq.dot_general_dynamic_int8(
+        jnp.ones((4, 64)), w, (((1,), (0,)), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("statistic", _STATISTICS)
+def test_statistics_of_a_closed_over_weight_are_not_folded(statistic):
+  # XLA's evaluator folds a reduction of a constant while compiling, at about
+  # a second per million elements (a sort: minutes), for statistics that take
+  # a millisecond to compute: jaxquant keeps them in the program. Small here,
+  # so that folding would be quick: the compiled program must still reduce.
+  w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 128)), jnp.float32)
+  compiled = jax.jit(lambda: _STATISTICS[statistic](w)).lower().compile().as_text()
+  assert re.search(r"= \S+ (reduce|reduce-window|sort)\(", compiled), compiled
+  _assert_all_equal([jax.jit(lambda: _STATISTICS[statistic](w))()],
+                    jax.jit(_STATISTICS[statistic])(w))
