@@ -329,9 +329,11 @@ def opaque_zero(dtype: Any) -> jax.Array:
 def unfolded(x: jax.Array) -> jax.Array:
   """x, which XLA cannot constant-fold: its bits XOR-ed with :func:`opaque_zero`.
 
-  For what reads a closed-over x that XLA would otherwise evaluate while
-  compiling (a sort took minutes for a million elements), where x is
-  written out anyway: the XOR is a producer XLA may not fuse. The
+  For statistics of a closed-over x, which XLA would otherwise evaluate while
+  compiling (a sort took minutes for a million elements). The XOR fuses into
+  an element-wise consumer or a plain reduction, where LLVM drops it once the
+  barrier is gone; a consumer that fuses no producer (a windowed reduction)
+  would get x written out first, and takes an opaque identity instead. The
   derivative is the identity's.
   """
   uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
