@@ -1,4 +1,4 @@
-"""Opt-in process settings that speed up XLA:CPU for large element-wise ops."""
+"""Opt-in process settings that speed up XLA:CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import platform
 import warnings
 
+import jax
 from jax._src import xla_bridge
 
 # glibc's mallopt parameters (malloc.h).
@@ -14,6 +15,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _VECTOR_WIDTH_FLAG = "--xla_cpu_prefer_vector_width"
+_ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
 
 # What tune_cpu applied in this process: the settings cannot be undone, so a
 # second call reports them again instead of applying anything.
@@ -32,10 +34,11 @@ def _glibc() -> ctypes.CDLL | None:
 
 def tune_cpu(
     *, mmap_threshold: int | None = 1 << 30, vector_width: int | None = 512,
-) -> dict[str, int | str]:
-  """Applies two process-wide settings that make XLA:CPU's large element-wise ops faster.
+    async_dispatch: bool | None = None,
+) -> dict[str, int | str | bool]:
+  """Applies process-wide settings that make XLA:CPU's ops faster: large results, small calls.
 
-  Opt-in, since both change the whole process, not just jaxquant, and must be
+  Opt-in, since they change the whole process, not just jaxquant, and must be
   made **before JAX initialises its backend** (before the first computation,
   ``jax.devices()`` or ``jit`` call; importing JAX and jaxquant is fine).
 
@@ -59,21 +62,35 @@ def tune_cpu(
     quantize runs on twice as many lanes). Same bits: no fast-math is
     involved. x86-64 only; an ``XLA_FLAGS`` that already sets the width is
     left as it is. The variable is inherited by subprocesses.
+  * ``async_dispatch`` (default ``None``: left alone): ``False`` sets JAX's
+    ``jax_cpu_enable_async_dispatch`` to ``False``, so that a jitted call runs
+    on the calling thread and returns once its result is ready, instead of
+    being queued to another thread that the caller then waits on. Where idle
+    cores sleep (virtual machines most of all), waking that thread and then the
+    caller costs tens of microseconds per call, more than a small op itself:
+    for a program that calls and waits (serving, a notebook). Not for a loop
+    that dispatches steps ahead of their results (training): it then waits on
+    each step instead of preparing the next (README, "Speed", has both
+    measured). Single-device computations only (JAX's rule).
 
   Calling it again returns what the first call applied and changes nothing.
 
   Args:
     mmap_threshold: bytes; ``None`` leaves the allocator alone.
     vector_width: ``256`` or ``512`` bits; ``None`` leaves ``XLA_FLAGS`` alone.
+    async_dispatch: ``False`` for synchronous dispatch on XLA:CPU, ``True``
+      for JAX's default; ``None`` leaves the setting alone.
 
   Returns:
     The settings applied, by name (``"M_ARENA_MAX"``, ``"M_MMAP_THRESHOLD"``,
-    ``"M_TRIM_THRESHOLD"``, ``"XLA_FLAGS"``); empty when nothing was (not
-    glibc, not x86-64, or called after JAX's backend started, which also warns).
+    ``"M_TRIM_THRESHOLD"``, ``"XLA_FLAGS"``, ``"jax_cpu_enable_async_dispatch"``);
+    empty when nothing was (called after JAX's backend started, which also
+    warns; or nothing asked for applies here: not glibc, not x86-64).
 
   Raises:
-    ValueError: for a ``vector_width`` other than 256, 512 or ``None``, or a
-      ``mmap_threshold`` that is not a positive int below 2**31.
+    ValueError: for a ``vector_width`` other than 256, 512 or ``None``, a
+      ``mmap_threshold`` that is not a positive int below 2**31, or an
+      ``async_dispatch`` that is not a bool or ``None``.
 
   Example (not run here: it would retune the test process)::
 
@@ -92,18 +109,22 @@ def tune_cpu(
         "tune_cpu: mmap_threshold must be a positive int below 2**31 (bytes) or None, "
         f"got {mmap_threshold!r}"
     )
+  if async_dispatch is not None and not isinstance(async_dispatch, bool):
+    raise ValueError(
+        f"tune_cpu: async_dispatch must be True, False or None, got {async_dispatch!r}")
   if _applied is not None:
     return dict(_applied)
-  if mmap_threshold is None and vector_width is None:
+  if mmap_threshold is None and vector_width is None and async_dispatch is None:
     return {}
   if xla_bridge.backends_are_initialized():
     warnings.warn(
         "jaxquant.tune_cpu: JAX's backend is already initialised, so its worker threads "
-        "have their own allocator arenas and XLA has read XLA_FLAGS; nothing was changed. "
+        "have their own allocator arenas, XLA has read XLA_FLAGS and the CPU client's "
+        "dispatch is set; nothing was changed. "
         "Call it before the first computation.", RuntimeWarning, stacklevel=2,
     )
     return {}
-  applied: dict[str, int | str] = {}
+  applied: dict[str, int | str | bool] = {}
   libc = _glibc() if mmap_threshold is not None else None
   if libc is not None:
     for name, parameter, value in [
@@ -118,5 +139,9 @@ def tune_cpu(
       and _VECTOR_WIDTH_FLAG not in flags):
     os.environ["XLA_FLAGS"] = f"{flags} {_VECTOR_WIDTH_FLAG}={vector_width}".strip()
     applied["XLA_FLAGS"] = f"{_VECTOR_WIDTH_FLAG}={vector_width}"
+  if async_dispatch is not None:
+    # Read when the CPU client is created, which has not happened yet (above).
+    jax.config.update(_ASYNC_DISPATCH, async_dispatch)
+    applied[_ASYNC_DISPATCH] = async_dispatch
   _applied = applied
   return dict(applied)

@@ -85,3 +85,8 @@ def test_linear_benchmark_runs():
   rows, output = _table_rows("linear.py", "--sizes", "16384", prefix=("quantize", "dequantize",
                                                                       "dynamic"))
   assert len(rows) == 7, output
+
+
+def test_dispatch_benchmark_runs_both_modes():
+  rows, output = _table_rows("dispatch.py", prefix=("| call", "| training"))
+  assert len(rows) == 10, output

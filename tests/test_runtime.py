@@ -105,7 +105,28 @@ def test_a_width_the_user_set_is_kept_and_none_leaves_each_setting_alone():
     print(json.dumps(dict(applied=applied, flags=os.environ.get("XLA_FLAGS"))))
   """)
   assert out["flags"] is None
-  assert out["applied"]["M_MMAP_THRESHOLD"] == 256 << 20 and "XLA_FLAGS" not in out["applied"]
+  assert out["applied"]["M_MMAP_THRESHOLD"] == 256 << 20
+  assert "XLA_FLAGS" not in out["applied"]
+  assert "jax_cpu_enable_async_dispatch" not in out["applied"]
+
+
+# A call whose computation takes a while (a sort of 4M floats: ~0.3 s here):
+# dispatched asynchronously it returns at once, its result not ready yet.
+READY_ON_RETURN = """
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: jnp.sort(jnp.sin(x)))
+x = jnp.arange(1 << 22, dtype=jnp.float32)
+f(x).block_until_ready()
+ready = f(x).is_ready()
+"""
+
+
+def test_synchronous_dispatch_returns_when_the_result_is_ready():
+  out = _run("applied = jq.tune_cpu(mmap_threshold=None, vector_width=None, async_dispatch=False)\n",
+             READY_ON_RETURN, "print(json.dumps(dict(applied=applied, ready=ready)))")
+  assert out == {"applied": {"jax_cpu_enable_async_dispatch": False}, "ready": True}
+  # JAX's default, asynchronous: the same call returns before its result is ready.
+  assert _run(READY_ON_RETURN, "print(json.dumps(ready))") is False
 
 
 def test_without_glibc_the_allocator_is_left_alone():
@@ -119,7 +140,7 @@ def test_without_glibc_the_allocator_is_left_alone():
 
 @pytest.mark.parametrize("keywords", [
     dict(vector_width=384), dict(mmap_threshold=0), dict(mmap_threshold=1 << 31),
-    dict(mmap_threshold=1.5e9),
+    dict(mmap_threshold=1.5e9), dict(async_dispatch=0), dict(async_dispatch="sync"),
 ])
 def test_invalid_settings_raise_before_anything_is_applied(keywords):
   # In this process: validation comes first, so nothing is tuned here.
