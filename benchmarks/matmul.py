@@ -1,7 +1,7 @@
 """Quantized linear layers against float32, qwix and onnxruntime, interleaved, in one run.
 
     python benchmarks/matmul.py [--rows 1 16 64 256 1024] [--features 1024] [--batch 8]
-                                [--repeats 21] [--tune]
+                                [--repeats 21] [--tune] [--sync]
 
 Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
 
@@ -200,9 +200,13 @@ def main() -> None:
   parser.add_argument("--model-path", default="/tmp/jaxquant_matmul_benchmark.onnx")
   parser.add_argument("--tune", action="store_true",
                       help="jaxquant.tune_cpu() first: no page faults for results over 32 MiB")
+  parser.add_argument("--sync", action="store_true",
+                      help="jaxquant.tune_cpu(async_dispatch=False) first: each call runs on "
+                           "the calling thread (with --tune: both)")
   args = parser.parse_args()
-  if args.tune:
-    jq.tune_cpu()
+  if args.tune or args.sync:
+    jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
+                async_dispatch=False if args.sync else None)
   rng = np.random.default_rng(0)
   k = n = args.features
   weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -225,6 +229,7 @@ def main() -> None:
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
         f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
+        f"synchronous dispatch {args.sync}; "
         f"median of {args.repeats}; "
         f"load average {_load()}")
   print("| layer | M | peer | ms | / float32 |")
