@@ -16,6 +16,7 @@ import inspect
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -530,3 +531,20 @@ def xla_dynamic_evaluation(x, keep, *, reduction, parameters, formula, output_dt
   scale, zero_point = parameters(*reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
   y = xla_evaluation(formula, x, [scale, zero_point], output_dtype=output_dtype)
   return y, scale, zero_point
+
+
+# --- compiled HLO ----------------------------------------------------------------------------
+
+_ENTRY_BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def entry_work(hlo: str) -> list[tuple[str, str, str]]:
+  """(opcode, result type, operands) of each ENTRY instruction that does work.
+
+  Parameters, constants, tuples and bitcasts are left out: what remains is
+  each pass XLA runs (a fusion, a custom call, a control-flow op).
+  """
+  entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S).group(1)
+  return [(op, result, operands)
+          for result, op, operands in re.findall(r"= (\([^)]*\)|\S+) ([\w\-]+)\(([^)]*)\)", entry)
+          if op not in _ENTRY_BOOKKEEPING]

@@ -23,6 +23,7 @@ from jaxquant import _dtypes
 from quant_testing import assert_bits_equal
 from quant_testing import CASES
 from quant_testing import dtype_name
+from quant_testing import entry_work
 from quant_testing import expand_scale
 from quant_testing import FLOAT4
 from quant_testing import FLOAT8_DTYPES
@@ -192,6 +193,19 @@ def test_range_edges_pass_gradient_one_not_one_half():
   # -127.5 rounds (half to even) to -128: outside [-127, 127].
   np.testing.assert_array_equal(
       narrow(jnp.array([-127.0, -126.5, -127.5, -128.0]) * scale), [1, 1, 0, 0])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
+@pytest.mark.parametrize("gradient", ["masked", "identity"])
+def test_training_step_writes_no_quotient(gradient):
+  # Of x's size, only the gradient is written: the forward value and the
+  # mask each divide x for themselves. (When the mask shared the forward's
+  # division, XLA wrote the float32 quotient out for both to read.)
+  x = w = jnp.zeros((1024, 1024), jnp.float32)
+  step = jax.value_and_grad(
+      lambda x, w: jnp.sum(w * jq.fake_quantize(x, 0.02, gradient=gradient)))
+  work = entry_work(jax.jit(step).lower(x, w).compile().as_text())
+  assert [result for _, result, _ in work].count("f32[1024,1024]{1,0}") == 1, work
 
 
 # --- LSQ: fake_quantize_learnable -----------------------------------------------------

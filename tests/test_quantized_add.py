@@ -26,6 +26,7 @@ import jaxquant as jq
 import onnx_oracle
 from quant_testing import assert_bits_equal
 from quant_testing import dtype_name
+from quant_testing import entry_work
 from quant_testing import given_per_implementation
 from quant_testing import IMPLEMENTATIONS
 
@@ -316,19 +317,9 @@ def test_unsigned_non_finite_minimum_is_zero(implementation):
 # --- one fused pass ---------------------------------------------------------------------------
 
 
-_ENTRY_BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-
-
-def _entry_instructions(hlo):
-  """(opcode, result type, operands) of each instruction of the ENTRY computation."""
-  entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S).group(1)
-  return re.findall(r"= (\([^)]*\)|\S+) ([\w\-]+)\(([^)]*)\)", entry)
-
-
 def _assert_one_fusion(fn, *args):
   hlo = jax.jit(fn).lower(*args).compile().as_text()
-  work = [(op, result, operands) for result, op, operands in _entry_instructions(hlo)
-          if op not in _ENTRY_BOOKKEEPING]
+  work = entry_work(hlo)
   assert [op for op, _, _ in work] == ["fusion"], work
   (_, result, operands), = work
   # Its operands are the parameters themselves: no broadcast or convert ran
