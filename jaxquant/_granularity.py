@@ -336,20 +336,18 @@ def _reduce_whole_windows(x, combine, windows):
   x to fold it while compiling; the windows take about a millisecond to run.
   The derivative is that of the plain ``reduce_window_min``/``max``.
   """
-  return lax.reduce_window(x, _numerics.unfolded(_identity(combine, x.dtype)), combine,
-                           windows, windows, "VALID")
+  return _windows(x, combine, windows, identity=_numerics.unfolded)
 
 
 @_reduce_whole_windows.defjvp
 def _reduce_whole_windows_jvp(combine, windows, primals, tangents):
-  return jax.jvp(
-      lambda x: lax.reduce_window(x, _identity(combine, x.dtype), combine, windows, windows,
-                                  "VALID"),
-      primals, tangents)
+  return jax.jvp(lambda x: _windows(x, combine, windows), primals, tangents)
 
 
-def _identity(combine, dtype) -> np.ndarray:
-  return np.array(np.inf if combine is lax.min else -np.inf, dtype)
+def _windows(x, combine, windows, *, identity=lambda value: value):
+  """``combine`` over whole non-overlapping ``windows``, from ``identity`` of its neutral value."""
+  neutral = np.array(np.inf if combine is lax.min else -np.inf, x.dtype)
+  return lax.reduce_window(x, identity(neutral), combine, windows, windows, "VALID")
 
 
 def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:

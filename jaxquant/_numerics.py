@@ -307,12 +307,17 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 def guarded_divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
   """``x / divisor`` (same shape and dtype) that XLA keeps a division (:func:`true_divide`)."""
-  uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  uint = _unsigned_like(x.dtype)
   width = 8 * x.dtype.itemsize
   positions = _positions(lax.stop_gradient(x)).astype(uint)
   varied = lax.bitcast_convert_type(x, uint) ^ (positions * opaque_zero(uint))
   zero = lax.clz(varied) >> width.bit_length()
   return x / lax.bitcast_convert_type(lax.bitcast_convert_type(divisor, uint) | zero, x.dtype)
+
+
+def _unsigned_like(dtype: Any) -> np.dtype:
+  """The unsigned integer dtype of ``dtype``'s width, for its bits."""
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def opaque_zero(dtype: Any) -> jax.Array:
@@ -336,7 +341,7 @@ def unfolded(x: jax.Array) -> jax.Array:
   would get x written out first, and takes an opaque identity instead. The
   derivative is the identity's.
   """
-  uint = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  uint = _unsigned_like(x.dtype)
   bits = lax.bitcast_convert_type(x, uint) ^ opaque_zero(uint)
   return lax.bitcast_convert_type(bits, x.dtype)
 
