@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -33,18 +34,15 @@ _PROGRAM = r"""
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import jaxquant as jq
+sys.path.insert(0, sys.argv[2])
+from _timing import interleaved_median_ms
 jq.tune_cpu(mmap_threshold=None, vector_width=None, async_dispatch=sys.argv[1] == "async")
 rng = np.random.default_rng(0)
 results = {}
 
 def call_and_wait(name, function, *args, calls=400):
-  function(*args).block_until_ready()
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    function(*args).block_until_ready()
-    times.append(time.perf_counter() - start)
-  results[name] = 1e3 * float(np.median(times))
+  # One function at a time: a warm-up call, then ``calls`` calls each waited on.
+  results[name] = interleaved_median_ms({name: lambda: function(*args)}, repeats=calls)[0][name]
 
 quantize = jax.jit(lambda x: jq.quantize_linear(x, jnp.float32(0.02), output_dtype=jnp.int8))
 for elements in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
@@ -91,7 +89,8 @@ print(json.dumps(results))
 
 def _run(mode: str) -> dict[str, float]:
   env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-c", _PROGRAM, mode], capture_output=True, text=True,
+  out = subprocess.run([sys.executable, "-c", _PROGRAM, mode, str(pathlib.Path(__file__).parent)],
+                       capture_output=True, text=True,
                        env=env, check=True, timeout=600)
   return json.loads(out.stdout.splitlines()[-1])
 
