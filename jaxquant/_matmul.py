@@ -120,13 +120,19 @@ _EXACT_FLOAT_DEPTH = 1024
 # faster from ~512 (benchmarks/matmul.py; docs/numerics.md). The same holds
 # per batch of a batched product (rows per batch against a per-batch weight).
 _INT8_DOT_MAX_ROWS = 256
-# YNNPACK's int8 dot slows down past a depth of about 2048: at K = N = 4096 it
-# took 3.6x float32's time for one row and 0.93x for 64 rows, where slices of K
-# 1024 deep, each its own dot, their int32 products added, took 1.2x and 0.63x
-# (at K = 2048 slicing is slower). Integer sums are exact in any grouping, wrap
-# included. The bfloat16 dot's 1024-deep slices (512 rows, K = N = 4096) ran
-# at 0.55x where the same slices as a batch dim of one dot took 1.08x.
+# YNNPACK's int8 dot slows down past a depth of about 2048 when K is rhs's
+# major dim (a (K, N) weight); with K minor (an (N, K) weight) it does not.
+# A (K, N) weight deeper than that is contracted in slices of at most 2048,
+# each a batch of one dot: rhs reshaped to (K // size, size, N), a view, and
+# the per-slice products summed in int32 (exact in any grouping, wrap
+# included). Measured at N = 4096 (benchmarks/matmul.py, docs/numerics.md):
+# K = 4096 went from 1.1-1.2x float32's time to 0.5-0.6x at 1-16 rows and
+# K = 11008 from 1.6-2.7x to 0.6-0.7x. Slices taken one by one (lax.slice)
+# are each written out first: the whole weight copied at every call.
 _INT8_DOT_MAX_DEPTH = 2048
+# A slice shallower than this is not worth a batch entry: such a depth (few
+# divisors up to 2048) runs as sliced copies, or whole beyond _MAX_SLICES.
+_MIN_SLICE_DEPTH = 256
 # Up to this many slices: the program grows with their number.
 _MAX_SLICES = 8
 
@@ -142,13 +148,33 @@ def _sliced(dot, lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int, size: i
       for start in range(0, depth, size)])
 
 
+def _slice_depth(depth: int) -> int:
+  """The largest divisor of ``depth`` up to :data:`_INT8_DOT_MAX_DEPTH`, or 0 below
+  :data:`_MIN_SLICE_DEPTH`."""
+  size = max(d for d in range(1, _INT8_DOT_MAX_DEPTH + 1) if depth % d == 0)
+  return size if size >= _MIN_SLICE_DEPTH else 0
+
+
+def _depth_as_batch(dot, matrix: jax.Array, rhs: jax.Array, rhs_k: int, rhs_batch, size: int):
+  """``dot`` of ``matrix`` ``(batch..., rows, K)`` and ``rhs`` with K cut into
+  ``size``-deep slices that are one more batch dim of both, the slices' products summed."""
+  batch = matrix.ndim - 2
+  slices = matrix.shape[-1] // size
+  lhs = matrix.reshape(matrix.shape[:-1] + (slices, size))
+  rhs = rhs.reshape(rhs.shape[:rhs_k] + (slices, size) + rhs.shape[rhs_k + 1:])
+  numbers = (((batch + 2,), (rhs_k + 1,)),
+             ((*range(batch), batch + 1), (*(d + (d > rhs_k) for d in rhs_batch), rhs_k)))
+  return jnp.sum(dot(lhs, rhs, dimension_numbers=numbers), axis=batch, dtype=jnp.int32)
+
+
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   """The int8 x int8 -> int32 dot with ``lhs`` as ``(batch..., rows, K)``, rows >= 2.
 
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
-  zero row is appended, and dropped after. A depth over
-  :data:`_INT8_DOT_MAX_DEPTH` runs as 1024-deep slices (:func:`_sliced`).
+  zero row is appended, and dropped after. K deeper than
+  :data:`_INT8_DOT_MAX_DEPTH` as rhs's major dim runs in slices
+  (:func:`_depth_as_batch`).
   """
   ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
   free = tuple(d for d in range(lhs.ndim) if d != lhs_k and d not in lhs_batch)
@@ -161,14 +187,19 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
     matrix = jnp.concatenate([matrix, jnp.zeros_like(matrix)], axis=-2)
   batch = len(lhs_batch)
   numbers = (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch))
-  dot = functools.partial(lax.dot_general, dimension_numbers=numbers,
-                          preferred_element_type=jnp.int32)
+  dot = functools.partial(lax.dot_general, preferred_element_type=jnp.int32)
   depth = lhs.shape[lhs_k]
-  if isinstance(depth, int) and (
+  size = 0
+  if isinstance(depth, int) and depth > _INT8_DOT_MAX_DEPTH and rhs_k != rhs.ndim - 1:
+    size = _slice_depth(depth)
+  if size:
+    product = _depth_as_batch(dot, matrix, rhs, rhs_k, rhs_batch, size)
+  elif isinstance(depth, int) and rhs_k != rhs.ndim - 1 and (
       _INT8_DOT_MAX_DEPTH < depth <= _MAX_SLICES * _EXACT_FLOAT_DEPTH):
-    product = _sliced(dot, matrix, rhs, matrix.ndim - 1, rhs_k, _EXACT_FLOAT_DEPTH)
+    product = _sliced(functools.partial(dot, dimension_numbers=numbers), matrix, rhs,
+                      matrix.ndim - 1, rhs_k, _EXACT_FLOAT_DEPTH)
   else:
-    product = dot(matrix, rhs)
+    product = dot(matrix, rhs, dimension_numbers=numbers)
   product = lax.slice_in_dim(product, 0, rows, axis=batch)
   return product.reshape(batch_shape + free_shape + product.shape[batch + 1:])
 

@@ -150,6 +150,33 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
       _wrap32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
 
 
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, in_place", [
+    # K = 4 x 1025 as rhs's major dim: four 1025-deep slices, a batch dim of a view.
+    ((2, 4100), (4100, 5), _DIMS, "s8[4,1025,5]{2,1,0} bitcast("),
+    ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))), "s8[3,4,1025,5]{3,2,1,0} bitcast("),
+    # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is.
+    ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom"),
+    # A prime depth has no slice >= _MIN_SLICE_DEPTH: sliced copies, up to 8 of them ...
+    ((2, 4099), (4099, 5), _DIMS, None),
+    # ... and one dot beyond (which XLA:CPU runs on int32 copies).
+    ((2, 8209), (8209, 3), _DIMS, None),
+])
+def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dimension_numbers,
+                                                       in_place):
+  """XLA:CPU: a contraction deeper than _INT8_DOT_MAX_DEPTH never copies rhs where the
+  depth allows (slices of a view, or the whole dot), and every path is exact."""
+  rng = np.random.default_rng(lhs_shape[-1])
+  lhs, rhs = _integers(rng, np.int8, lhs_shape), _integers(rng, np.int8, rhs_shape)
+  exact = jax.lax.dot_general(lhs.astype(np.int32), rhs.astype(np.int32), dimension_numbers)
+  call = jax.jit(lambda a, b: jq._matmul._int8_dot(a, b, dimension_numbers))
+  np.testing.assert_array_equal(call(lhs, rhs), exact)
+  if jax.default_backend() == "cpu" and in_place:
+    hlo = call.lower(lhs, rhs).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert in_place in entry, entry
+    assert "fusion(%b.1)" not in entry, entry  # no fusion writes a slice or copy of rhs
+
+
 def test_int8_path_chosen_by_rows():
   """XLA:CPU: up to _INT8_DOT_MAX_ROWS rows (the zero point's row of ones included) read
   the int8 weight as it is; more rows write a bfloat16 copy of it. Both exact."""
