@@ -12,6 +12,7 @@ every x-shaped output has x's sharding).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -202,6 +203,34 @@ def matmul_nbits_cases():
                NamedSharding(mesh, out_spec), min(a.size, weight[1].size) // mesh.size)
 
 
+def dot_general_cases():
+  """The dynamic int8 layer, 4096 deep (contracted in slices: docs/numerics.md), split
+  along K (row-parallel), along N (column-parallel) and along rows: int32 partials
+  added across devices are exact, and no device receives another's weight."""
+  k, n, rows = 4096, 64, 16
+  shape, names, _ = MESHES["1d"]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  weight = jq.quantize_params(
+      jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / 64),
+      jq.QuantizationRule(dtype=jnp.int8))
+  f = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ()))))
+  for layout, x_spec, values_spec, scale_spec, out_spec in [
+      ("K", P(None, "c"), P("c", None), P(), P()),
+      ("N", P(), P(None, "c"), P("c"), P(None, "c")),
+      ("rows", P("c", None), P(), P(), P("c", None)),
+  ]:
+    arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), dataclasses.replace(
+        weight, values=jax.device_put(weight.values, NamedSharding(mesh, values_spec)),
+        scale=jax.device_put(weight.scale, NamedSharding(mesh, scale_spec))))
+    # Counted from a 16th of a weight shard: slices of K cut with lax.slice moved
+    # pieces of each shard between devices (collective-permutes of 128-256 rows).
+    report(f"jit 1d xla dot_general_dynamic_int8 {layout} -", f(*arguments), f(x, weight),
+           f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
+           weight.values.size // mesh.size // 16)
+
+
 def vmap_cases():
   """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
   shape, names, _ = MESHES["2d"]
@@ -319,6 +348,7 @@ if __name__ == "__main__":
   for mesh_name in MESHES:
     jit_cases(mesh_name)
   matmul_nbits_cases()
+  dot_general_cases()
   vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()
