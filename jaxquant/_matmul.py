@@ -130,41 +130,56 @@ _INT8_DOT_MAX_ROWS = 256
 # K = 11008 from 1.6-2.7x to 0.6-0.7x. Slices taken one by one (lax.slice)
 # are each written out first: the whole weight copied at every call.
 _INT8_DOT_MAX_DEPTH = 2048
-# A slice shallower than this is not worth a batch entry: such a depth (few
-# divisors up to 2048) runs as sliced copies, or whole beyond _MAX_SLICES.
+# Slices of a view need a divisor of K; without one from this up to 2048 (a
+# prime K) the slices are copies: up to _MAX_SLICES of them 1024 deep, each
+# its own dot (lax.slice), more padded to equal depth as a batch dim (one
+# padded copy). Separate dots measured faster where there are few: K = 4099
+# by 1.0-1.3x (int8, N = 4096; 2048-deep copies were slower still), K = 1029
+# by 1.2x (the bfloat16 dot, 1024 rows).
 _MIN_SLICE_DEPTH = 256
-# Up to this many slices: the program grows with their number.
+_COPIED_SLICE_DEPTH = 1024
 _MAX_SLICES = 8
 
 
-def _sliced(dot, lhs: jax.Array, rhs: jax.Array, lhs_k: int, rhs_k: int, size: int):
-  """``dot(lhs, rhs)`` as the sum of ``dot`` over slices of K at most ``size`` deep."""
+def _sliced(dot, lhs: jax.Array, rhs: jax.Array, dimension_numbers, size: int):
+  """``dot`` as the sum of ``dot`` over slices of K at most ``size`` deep, each its own dot."""
+  ((lhs_k,), (rhs_k,)), _ = dimension_numbers
   depth = lhs.shape[lhs_k]
-  if depth <= size:
-    return dot(lhs, rhs)
   return functools.reduce(operator.add, [
       dot(lax.slice_in_dim(lhs, start, min(start + size, depth), axis=lhs_k),
-          lax.slice_in_dim(rhs, start, min(start + size, depth), axis=rhs_k))
+          lax.slice_in_dim(rhs, start, min(start + size, depth), axis=rhs_k), dimension_numbers)
       for start in range(0, depth, size)])
 
 
-def _slice_depth(depth: int) -> int:
-  """The largest divisor of ``depth`` up to :data:`_INT8_DOT_MAX_DEPTH`, or 0 below
-  :data:`_MIN_SLICE_DEPTH`."""
-  size = max(d for d in range(1, _INT8_DOT_MAX_DEPTH + 1) if depth % d == 0)
-  return size if size >= _MIN_SLICE_DEPTH else 0
+def _even_depth(depth: int, limit: int) -> int:
+  """The depth of ``depth`` split evenly into as few slices of at most ``limit`` as can be."""
+  return -(-depth // -(-depth // limit))
 
 
-def _depth_as_batch(dot, matrix: jax.Array, rhs: jax.Array, rhs_k: int, rhs_batch, size: int):
-  """``dot`` of ``matrix`` ``(batch..., rows, K)`` and ``rhs`` with K cut into
-  ``size``-deep slices that are one more batch dim of both, the slices' products summed."""
-  batch = matrix.ndim - 2
-  slices = matrix.shape[-1] // size
-  lhs = matrix.reshape(matrix.shape[:-1] + (slices, size))
-  rhs = rhs.reshape(rhs.shape[:rhs_k] + (slices, size) + rhs.shape[rhs_k + 1:])
-  numbers = (((batch + 2,), (rhs_k + 1,)),
-             ((*range(batch), batch + 1), (*(d + (d > rhs_k) for d in rhs_batch), rhs_k)))
-  return jnp.sum(dot(lhs, rhs, dimension_numbers=numbers), axis=batch, dtype=jnp.int32)
+def _depth_as_batch(dot, lhs: jax.Array, rhs: jax.Array, dimension_numbers, size: int):
+  """``dot`` with K cut into ``size``-deep slices that are one more batch dim of both
+  operands, the slices' int32 products summed.
+
+  Where ``size`` divides K each operand is reshaped, a view; otherwise zeros
+  pad the last slice (they add nothing to any sum), a copy of both.
+  """
+  ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
+  slices = -(-lhs.shape[lhs_k] // size)
+
+  def cut(x, k):
+    pad = slices * size - x.shape[k]
+    if pad:
+      x = jnp.pad(x, [(0, pad if d == k else 0) for d in range(x.ndim)])
+    return x.reshape(x.shape[:k] + (slices, size) + x.shape[k + 1:])
+
+  def shifted(dims, k):
+    return tuple(d + (d > k) for d in dims)
+
+  # The slices are the last batch dim: after the others in the product.
+  numbers = (((lhs_k + 1,), (rhs_k + 1,)),
+             ((*shifted(lhs_batch, lhs_k), lhs_k), (*shifted(rhs_batch, rhs_k), rhs_k)))
+  product = dot(cut(lhs, lhs_k), cut(rhs, rhs_k), numbers)
+  return jnp.sum(product, axis=len(lhs_batch), dtype=jnp.int32)
 
 
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
@@ -173,8 +188,9 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
   zero row is appended, and dropped after. K deeper than
-  :data:`_INT8_DOT_MAX_DEPTH` as rhs's major dim runs in slices
-  (:func:`_depth_as_batch`).
+  :data:`_INT8_DOT_MAX_DEPTH` as rhs's major dim runs in slices: views of
+  rhs as a batch dim (:func:`_depth_as_batch`) where K has a divisor from
+  :data:`_MIN_SLICE_DEPTH` up to that, else copies (:func:`_sliced`, or padded).
   """
   ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
   free = tuple(d for d in range(lhs.ndim) if d != lhs_k and d not in lhs_batch)
@@ -189,17 +205,17 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   numbers = (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch))
   dot = functools.partial(lax.dot_general, preferred_element_type=jnp.int32)
   depth = lhs.shape[lhs_k]
-  size = 0
   if isinstance(depth, int) and depth > _INT8_DOT_MAX_DEPTH and rhs_k != rhs.ndim - 1:
-    size = _slice_depth(depth)
-  if size:
-    product = _depth_as_batch(dot, matrix, rhs, rhs_k, rhs_batch, size)
-  elif isinstance(depth, int) and rhs_k != rhs.ndim - 1 and (
-      _INT8_DOT_MAX_DEPTH < depth <= _MAX_SLICES * _EXACT_FLOAT_DEPTH):
-    product = _sliced(functools.partial(dot, dimension_numbers=numbers), matrix, rhs,
-                      matrix.ndim - 1, rhs_k, _EXACT_FLOAT_DEPTH)
+    divisors = [d for d in range(_MIN_SLICE_DEPTH, _INT8_DOT_MAX_DEPTH + 1) if depth % d == 0]
+    if divisors:
+      product = _depth_as_batch(dot, matrix, rhs, numbers, max(divisors))
+    elif -(-depth // _COPIED_SLICE_DEPTH) <= _MAX_SLICES:
+      product = _sliced(dot, matrix, rhs, numbers, _COPIED_SLICE_DEPTH)
+    else:
+      product = _depth_as_batch(
+          dot, matrix, rhs, numbers, _even_depth(depth, _INT8_DOT_MAX_DEPTH))
   else:
-    product = dot(matrix, rhs, dimension_numbers=numbers)
+    product = dot(matrix, rhs, numbers)
   product = lax.slice_in_dim(product, 0, rows, axis=batch)
   return product.reshape(batch_shape + free_shape + product.shape[batch + 1:])
 
@@ -243,34 +259,26 @@ def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
   bfloat16 holds every int8, each product is exact in float32, and each
   partial sum of at most :data:`_EXACT_FLOAT_DEPTH` products is an integer of
   magnitude <= 2**24, which float32 holds, in whatever order the backend
-  adds. Deeper contractions run as slices of that depth, each its own dot
-  (up to :data:`_MAX_SLICES`; more as one dot with the slices as a batch
-  dim), their sums added in int32. Integers of up to 256 in magnitude (int8
-  differences) are exact in bfloat16 too, with ``depth_limit`` lowered so
-  that a slice's sum stays within 2**24.
+  adds. Deeper contractions run in slices up to that depth, their sums
+  added in int32: up to :data:`_MAX_SLICES` each its own dot, more of equal
+  depth as one more batch dim of one dot (:func:`_depth_as_batch`; the zeros
+  padding the last are written with the bfloat16 copy).
+  Integers of up to 256 in magnitude (int8 differences) are exact in
+  bfloat16 too, with ``depth_limit`` lowered so that a slice's sum stays
+  within 2**24.
   """
-  ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
-  depth = lhs.shape[lhs_k]
-  chunks = -(-depth // depth_limit)
   lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
-  if chunks <= _MAX_SLICES:
-    def dot(lhs, rhs):
-      return lax.dot_general(
-          lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32).astype(jnp.int32)
-    return _sliced(dot, lhs, rhs, lhs_k, rhs_k, depth_limit)
 
-  def split(x, k):
-    # Zeros pad the last chunk: they add nothing to any sum.
-    x = jnp.pad(x, [(0, chunks * depth_limit - depth if d == k else 0) for d in range(x.ndim)])
-    x = x.reshape(x.shape[:k] + (chunks, depth_limit) + x.shape[k + 1:])
-    return jnp.moveaxis(x, k, 0)
+  def dot(lhs, rhs, dimension_numbers):
+    return lax.dot_general(
+        lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32).astype(jnp.int32)
 
-  # Moving each chunk axis to the front shifts every other dim up by one.
-  chunked = (((lhs_k + 1,), (rhs_k + 1,)),
-             ((0,) + tuple(d + 1 for d in lhs_batch), (0,) + tuple(d + 1 for d in rhs_batch)))
-  partial = lax.dot_general(split(lhs, lhs_k), split(rhs, rhs_k), chunked,
-                            preferred_element_type=jnp.float32)
-  return jnp.sum(partial.astype(jnp.int32), axis=0, dtype=jnp.int32)
+  depth = lhs.shape[dimension_numbers[0][0][0]]
+  if depth <= depth_limit:
+    return dot(lhs, rhs, dimension_numbers)
+  if -(-depth // depth_limit) <= _MAX_SLICES:
+    return _sliced(dot, lhs, rhs, dimension_numbers, depth_limit)
+  return _depth_as_batch(dot, lhs, rhs, dimension_numbers, _even_depth(depth, depth_limit))
 
 
 def integer_dot(

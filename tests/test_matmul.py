@@ -150,19 +150,20 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
       _wrap32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
 
 
-@pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, in_place", [
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, compiled, copies_rhs", [
     # K = 4 x 1025 as rhs's major dim: four 1025-deep slices, a batch dim of a view.
-    ((2, 4100), (4100, 5), _DIMS, "s8[4,1025,5]{2,1,0} bitcast("),
-    ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))), "s8[3,4,1025,5]{3,2,1,0} bitcast("),
+    ((2, 4100), (4100, 5), _DIMS, "s8[4,1025,5]{2,1,0} bitcast(", False),
+    ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))),
+     "s8[3,4,1025,5]{3,2,1,0} bitcast(", False),
     # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is.
-    ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom"),
-    # A prime depth has no slice >= _MIN_SLICE_DEPTH: sliced copies, up to 8 of them ...
-    ((2, 4099), (4099, 5), _DIMS, None),
-    # ... and one dot beyond (which XLA:CPU runs on int32 copies).
-    ((2, 8209), (8209, 3), _DIMS, None),
+    ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
+    # A prime depth has no slice >= _MIN_SLICE_DEPTH: copied slices, up to 8 of them ...
+    ((2, 4099), (4099, 5), _DIMS, "s8[1024,5]", True),
+    # ... and padded ones of equal depth beyond.
+    ((2, 8209), (8209, 3), _DIMS, "[5,1642,3]", True),
 ])
 def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dimension_numbers,
-                                                       in_place):
+                                                       compiled, copies_rhs):
   """XLA:CPU: a contraction deeper than _INT8_DOT_MAX_DEPTH never copies rhs where the
   depth allows (slices of a view, or the whole dot), and every path is exact."""
   rng = np.random.default_rng(lhs_shape[-1])
@@ -170,11 +171,12 @@ def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dim
   exact = jax.lax.dot_general(lhs.astype(np.int32), rhs.astype(np.int32), dimension_numbers)
   call = jax.jit(lambda a, b: jq._matmul._int8_dot(a, b, dimension_numbers))
   np.testing.assert_array_equal(call(lhs, rhs), exact)
-  if jax.default_backend() == "cpu" and in_place:
+  if jax.default_backend() == "cpu":
     hlo = call.lower(lhs, rhs).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
-    assert in_place in entry, entry
-    assert "fusion(%b.1)" not in entry, entry  # no fusion writes a slice or copy of rhs
+    assert compiled in entry, entry
+    # A fusion of rhs alone writes a slice or copy of it.
+    assert ("fusion(%b.1)" in entry) == copies_rhs, entry
 
 
 def test_int8_path_chosen_by_rows():
@@ -629,7 +631,8 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
 
 
 @pytest.mark.parametrize("shape, largest", [
-    ((5, 7, 3), False), ((1, 2048, 16), False), ((3, 2500, 4), False), ((2, 9000, 3), True)])
+    ((5, 7, 3), False), ((1, 2048, 16), False), ((3, 2500, 4), False), ((2, 9000, 3), True),
+    ((2, 9001, 3), False)])  # more than 8 slices: a batch dim of equal slices, the last padded
 def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape, largest):
   """CUDA's int8 dot (lowered there as a bfloat16 dot), evaluated here: exact for any depth.
 
@@ -648,6 +651,16 @@ def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape, largest):
       lowering_platforms=("cuda",)).as_text()
   dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
   assert dots and all("bf16>" in line for line in dots), dots
+
+
+def test_exact_bfloat16_dot_in_slices_keeps_batch_dims_apart():
+  """Over 8 slices deep, the slices are one more batch dim beside rhs's own (not first)."""
+  rng = np.random.default_rng(9001)
+  lhs, rhs = _integers(rng, np.int8, (3, 2, 9001)), _integers(rng, np.int8, (9001, 4, 3))
+  numbers = (((2,), (0,)), ((0,), (2,)))
+  got = jax.jit(functools.partial(_matmul.exact_bfloat16_dot, dimension_numbers=numbers))(lhs, rhs)
+  np.testing.assert_array_equal(
+      got, np.einsum("bmk,knb->bmn", lhs.astype(np.int32), rhs.astype(np.int32)))
 
 
 @pytest.mark.parametrize("bits, tiles", [
