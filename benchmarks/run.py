@@ -77,12 +77,15 @@ class Case:
   peers: dict
 
 
-def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants=()):
+def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants=(),
+                 spinning=True):
   """A zero-argument function running an onnxruntime CPU session, or ``None`` if it refuses.
 
   ``inputs`` are ``(name, array)`` fed at every call; ``constants`` become
   initializers (int4 cannot cross ORT's Python API as an input), with graph
   optimizations off so that ORT cannot fold the op away at load time.
+  ``spinning=False`` turns off onnxruntime's default of idle pool threads
+  spinning for work (``session.intra_op.allow_spinning``).
   """
   try:
     import onnxruntime  # pylint: disable=import-outside-toplevel
@@ -105,6 +108,8 @@ def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants
   model = helper.make_model(graph, opset_imports=imports)
   model.ir_version = 10
   options = onnxruntime.SessionOptions()
+  if not spinning:
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
   if constants:
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
   try:
@@ -140,7 +145,7 @@ def _expand_scale(scale, block_size):
   return scale if scale.ndim == 0 else scale.reshape(1, -1)
 
 
-def dequantize_cases(elements, rng, *, pallas):
+def dequantize_cases(elements, rng, *, pallas, ort_spinning=True):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   rows = elements // COLUMNS
   for types, layouts, outputs in [
@@ -182,12 +187,13 @@ def dequantize_cases(elements, rng, *, pallas):
                 [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
                        block_size=block_size)],
                 [("s", scale)], [("y", TensorProto.FLOAT)],
-                constants=[("x", values), ("z", zero_point)])
+                constants=[("x", values), ("z", zero_point)], spinning=ort_spinning)
           else:
             ort = _ort_session(
                 [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
                        block_size=block_size)],
-                [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)])
+                [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)],
+                spinning=ort_spinning)
           if ort is not None:
             peers["onnxruntime"] = ort
         repeat = block_size
@@ -219,7 +225,7 @@ def _node(op, inputs, outputs, **attributes):
   return helper.make_node(op, inputs, outputs, **attributes)
 
 
-def quantize_cases(elements, rng, *, pallas):
+def quantize_cases(elements, rng, *, pallas, ort_spinning=True):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   rows = elements // COLUMNS
   x = rng.standard_normal((rows, COLUMNS)).astype(np.float32)
@@ -248,7 +254,8 @@ def quantize_cases(elements, rng, *, pallas):
       if types == "int8":
         ort = _ort_session(
             [_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=axis, block_size=block_size)],
-            [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)])
+            [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)],
+            spinning=ort_spinning)
         if ort is not None:
           peers["onnxruntime"] = ort
       repeat = block_size
@@ -273,7 +280,7 @@ def quantize_cases(elements, rng, *, pallas):
       yield Case("quantize", layout, f"float32 -> {types}", x.size, moved, peers)
 
 
-def dynamic_cases(elements, rng, *, pallas):
+def dynamic_cases(elements, rng, *, pallas, ort_spinning=True):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   x = rng.standard_normal((elements // COLUMNS, COLUMNS)).astype(np.float32)
   x_j = jnp.asarray(x)
@@ -285,7 +292,8 @@ def dynamic_cases(elements, rng, *, pallas):
     if axis is None:
       ort = _ort_session(
           [_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], [("x", x)],
-          [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)])
+          [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)],
+          spinning=ort_spinning)
       if ort is not None:
         peers["onnxruntime"] = ort
 
@@ -303,7 +311,7 @@ def dynamic_cases(elements, rng, *, pallas):
     yield Case("dynamic", layout, "float32 -> uint8", x.size, 2 * x.nbytes + x.size, peers)
 
 
-def add_cases(elements, rng, *, pallas):
+def add_cases(elements, rng, *, pallas, ort_spinning=True):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   shape = (elements // COLUMNS, COLUMNS)
   a = rng.integers(-128, 128, shape).astype(np.int8)
@@ -323,7 +331,7 @@ def add_cases(elements, rng, *, pallas):
       [("a", a), ("sa", np.asarray(scales[0])), ("za", np.asarray(zero_points[0])),
        ("b", b), ("sb", np.asarray(scales[1])), ("zb", np.asarray(zero_points[1])),
        ("sc", np.asarray(scales[2])), ("zc", np.asarray(zero_points[2]))],
-      [("y", TensorProto.INT8)], microsoft=True)
+      [("y", TensorProto.INT8)], microsoft=True, spinning=ort_spinning)
   if ort is not None:
     peers["onnxruntime"] = ort
 
@@ -337,8 +345,8 @@ def add_cases(elements, rng, *, pallas):
   yield Case("add", "per-tensor", "int8 + int8 -> int8", a.size, 3 * a.size, peers)
 
 
-def fake_cases(elements, rng, *, pallas):
-  del pallas  # fake quantization has no Pallas kernel of its own
+def fake_cases(elements, rng, *, pallas, ort_spinning=True):
+  del pallas, ort_spinning  # no Pallas kernel of its own, no onnxruntime op
   shape = (elements // COLUMNS, COLUMNS)
   x = rng.standard_normal(shape).astype(np.float32)
   weights = rng.standard_normal(shape).astype(np.float32)

@@ -90,3 +90,9 @@ def test_linear_benchmark_runs():
 def test_dispatch_benchmark_runs_both_modes():
   rows, output = _table_rows("dispatch.py", prefix=("| call", "| training"))
   assert len(rows) == 10, output
+
+
+def test_threads_benchmark_times_three_ops_three_ways():
+  rows, output = _table_rows("threads.py", "--size", "8192", "--sync", prefix="| ")
+  assert len(rows) == 4, output  # the header, quantize, add, dynamic
+  assert all(len(row.split("|")) == 6 for row in rows), output

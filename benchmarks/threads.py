@@ -1,0 +1,82 @@
+"""jaxquant against onnxruntime with its idle threads spinning and not, each peer alone.
+
+    python benchmarks/threads.py [--size 1048576] [--repeats 101] [--sync]
+    taskset -c 0 python benchmarks/threads.py      # the same on one core
+
+XLA:CPU's idle worker threads sleep; onnxruntime's spin, waiting for work
+(its default; ``session.intra_op.allow_spinning = 0`` turns it off). Where a
+call is short, waking a sleeping thread costs about what a second core saves.
+This times the suite's per-tensor QuantizeLinear int8, quantized add int8 and
+DynamicQuantizeLinear uint8 (benchmarks/run.py's cases, after
+``jaxquant.tune_cpu()``) three ways: jaxquant, onnxruntime spinning, and
+onnxruntime not spinning. Each peer is timed alone, ``--repeats`` calls in a
+row (median), so that no peer's threads are left spinning into another's
+call. ``--sync`` runs jaxquant's calls on the calling thread
+(``tune_cpu(async_dispatch=False)``). Prints a markdown table with the cores
+the process may run on and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import warnings
+
+import numpy as np
+
+import jaxquant as jq
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import run  # pylint: disable=wrong-import-position
+from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
+
+# (op, layout, types): the suite's rows compared here.
+ROWS = (
+    ("quantize", "per-tensor", "float32 -> int8"),
+    ("add", "per-tensor", "int8 + int8 -> int8"),
+    ("dynamic", "per-tensor", "float32 -> uint8"),
+)
+
+
+def _peer(op, layout, types, elements, name, *, ort_spinning):
+  """The suite's ``name`` peer of one row, its onnxruntime session spinning or not."""
+  cases = run.CASES[op](elements, np.random.default_rng(0), pallas=False,
+                        ort_spinning=ort_spinning)
+  (case,) = [c for c in cases if (c.layout, c.types) == (layout, types)]
+  return case.peers[name]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--size", type=int, default=1 << 20, help="elements (a multiple of 1024)")
+  parser.add_argument("--repeats", type=int, default=101)
+  parser.add_argument("--sync", action="store_true",
+                      help="jaxquant.tune_cpu(async_dispatch=False): calls on the calling thread")
+  args = parser.parse_args()
+  jq.tune_cpu(async_dispatch=False if args.sync else None)
+  cores = len(os.sched_getaffinity(0))
+  print(f"{cores} core(s) for this process; jaxquant dispatch "
+        f"{'synchronous' if args.sync else 'asynchronous (JAX default)'}; "
+        f"{run._size(args.size)} elements; median of {args.repeats} calls, each peer alone; "  # pylint: disable=protected-access
+        f"load average {os.getloadavg()[0]:.2f}")
+  print("| op | jaxquant us | onnxruntime, spinning us | onnxruntime, not spinning us |")
+  print("|---|---|---|---|")
+  for op, layout, types in ROWS:
+    peers = {
+        "jaxquant": _peer(op, layout, types, args.size, "jaxquant", ort_spinning=True),
+        "spinning": _peer(op, layout, types, args.size, "onnxruntime", ort_spinning=True),
+        "not spinning": _peer(op, layout, types, args.size, "onnxruntime", ort_spinning=False),
+    }
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      medians = {name: interleaved_median_ms({name: call}, repeats=args.repeats)[0][name]
+                 for name, call in peers.items()}
+    print(f"| {op} {types} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in medians.values()) + " |",
+          flush=True)
+  print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+  main()
