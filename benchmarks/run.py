@@ -78,14 +78,15 @@ class Case:
 
 
 def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants=(),
-                 spinning=True):
+                 spinning=True, threads=0):
   """A zero-argument function running an onnxruntime CPU session, or ``None`` if it refuses.
 
   ``inputs`` are ``(name, array)`` fed at every call; ``constants`` become
   initializers (int4 cannot cross ORT's Python API as an input), with graph
   optimizations off so that ORT cannot fold the op away at load time.
   ``spinning=False`` turns off onnxruntime's default of idle pool threads
-  spinning for work (``session.intra_op.allow_spinning``).
+  spinning for work (``session.intra_op.allow_spinning``); ``threads`` sets
+  its intra-op threads (0: its default, one per core).
   """
   try:
     import onnxruntime  # pylint: disable=import-outside-toplevel
@@ -108,6 +109,7 @@ def _ort_session(nodes, inputs, outputs, *, opset=21, microsoft=False, constants
   model = helper.make_model(graph, opset_imports=imports)
   model.ir_version = 10
   options = onnxruntime.SessionOptions()
+  options.intra_op_num_threads = threads
   if not spinning:
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
   if constants:
@@ -145,7 +147,7 @@ def _expand_scale(scale, block_size):
   return scale if scale.ndim == 0 else scale.reshape(1, -1)
 
 
-def dequantize_cases(elements, rng, *, pallas, ort_spinning=True):
+def dequantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   rows = elements // COLUMNS
   for types, layouts, outputs in [
@@ -183,17 +185,16 @@ def dequantize_cases(elements, rng, *, pallas, ort_spinning=True):
               block_size=block_size, implementation="pallas", **options)
         if output == "float32":
           if types == "int4 packed":
-            ort = _ort_session(
+            ort = ort_session(
                 [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
                        block_size=block_size)],
                 [("s", scale)], [("y", TensorProto.FLOAT)],
-                constants=[("x", values), ("z", zero_point)], spinning=ort_spinning)
+                constants=[("x", values), ("z", zero_point)])
           else:
-            ort = _ort_session(
+            ort = ort_session(
                 [_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis,
                        block_size=block_size)],
-                [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)],
-                spinning=ort_spinning)
+                [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)])
           if ort is not None:
             peers["onnxruntime"] = ort
         repeat = block_size
@@ -225,7 +226,7 @@ def _node(op, inputs, outputs, **attributes):
   return helper.make_node(op, inputs, outputs, **attributes)
 
 
-def quantize_cases(elements, rng, *, pallas, ort_spinning=True):
+def quantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   rows = elements // COLUMNS
   x = rng.standard_normal((rows, COLUMNS)).astype(np.float32)
@@ -252,10 +253,9 @@ def quantize_cases(elements, rng, *, pallas, ort_spinning=True):
             jq.quantize_linear, x_j, scale_j, zero_point_j, axis=axis,
             block_size=block_size, implementation="pallas", **options)
       if types == "int8":
-        ort = _ort_session(
+        ort = ort_session(
             [_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=axis, block_size=block_size)],
-            [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)],
-            spinning=ort_spinning)
+            [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)])
         if ort is not None:
           peers["onnxruntime"] = ort
       repeat = block_size
@@ -280,7 +280,7 @@ def quantize_cases(elements, rng, *, pallas, ort_spinning=True):
       yield Case("quantize", layout, f"float32 -> {types}", x.size, moved, peers)
 
 
-def dynamic_cases(elements, rng, *, pallas, ort_spinning=True):
+def dynamic_cases(elements, rng, *, pallas, ort_session=_ort_session):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   x = rng.standard_normal((elements // COLUMNS, COLUMNS)).astype(np.float32)
   x_j = jnp.asarray(x)
@@ -290,10 +290,9 @@ def dynamic_cases(elements, rng, *, pallas, ort_spinning=True):
       peers["jaxquant-pallas"] = functools.partial(
           jq.dynamic_quantize_linear, x_j, axis=axis, implementation="pallas")
     if axis is None:
-      ort = _ort_session(
+      ort = ort_session(
           [_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], [("x", x)],
-          [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)],
-          spinning=ort_spinning)
+          [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)])
       if ort is not None:
         peers["onnxruntime"] = ort
 
@@ -311,7 +310,7 @@ def dynamic_cases(elements, rng, *, pallas, ort_spinning=True):
     yield Case("dynamic", layout, "float32 -> uint8", x.size, 2 * x.nbytes + x.size, peers)
 
 
-def add_cases(elements, rng, *, pallas, ort_spinning=True):
+def add_cases(elements, rng, *, pallas, ort_session=_ort_session):
   from onnx import TensorProto  # pylint: disable=import-outside-toplevel
   shape = (elements // COLUMNS, COLUMNS)
   a = rng.integers(-128, 128, shape).astype(np.int8)
@@ -325,13 +324,13 @@ def add_cases(elements, rng, *, pallas, ort_spinning=True):
   if pallas:
     peers["jaxquant-pallas"] = functools.partial(
         jq.quantized_add, *arguments, implementation="pallas")
-  ort = _ort_session(
+  ort = ort_session(
       [_node("QLinearAdd", ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["y"],
              domain="com.microsoft")],
       [("a", a), ("sa", np.asarray(scales[0])), ("za", np.asarray(zero_points[0])),
        ("b", b), ("sb", np.asarray(scales[1])), ("zb", np.asarray(zero_points[1])),
        ("sc", np.asarray(scales[2])), ("zc", np.asarray(zero_points[2]))],
-      [("y", TensorProto.INT8)], microsoft=True, spinning=ort_spinning)
+      [("y", TensorProto.INT8)], microsoft=True)
   if ort is not None:
     peers["onnxruntime"] = ort
 
@@ -345,8 +344,8 @@ def add_cases(elements, rng, *, pallas, ort_spinning=True):
   yield Case("add", "per-tensor", "int8 + int8 -> int8", a.size, 3 * a.size, peers)
 
 
-def fake_cases(elements, rng, *, pallas, ort_spinning=True):
-  del pallas, ort_spinning  # no Pallas kernel of its own, no onnxruntime op
+def fake_cases(elements, rng, *, pallas, ort_session=_ort_session):
+  del pallas, ort_session  # no Pallas kernel of its own, no onnxruntime op
   shape = (elements // COLUMNS, COLUMNS)
   x = rng.standard_normal(shape).astype(np.float32)
   weights = rng.standard_normal(shape).astype(np.float32)

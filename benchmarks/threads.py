@@ -1,24 +1,26 @@
-"""jaxquant against onnxruntime with its idle threads spinning and not, each peer alone.
+"""jaxquant against onnxruntime on all cores (spinning or not) and on one thread, each alone.
 
     python benchmarks/threads.py [--size 1048576] [--repeats 101] [--sync]
-    taskset -c 0 python benchmarks/threads.py      # the same on one core
+    taskset -c 0 python benchmarks/threads.py      # jaxquant on one core
 
 XLA:CPU's idle worker threads sleep; onnxruntime's spin, waiting for work
 (its default; ``session.intra_op.allow_spinning = 0`` turns it off). Where a
 call is short, waking a sleeping thread costs about what a second core saves.
 This times the suite's per-tensor QuantizeLinear int8, quantized add int8 and
 DynamicQuantizeLinear uint8 (benchmarks/run.py's cases, after
-``jaxquant.tune_cpu()``) three ways: jaxquant, onnxruntime spinning, and
-onnxruntime not spinning. Each peer is timed alone, ``--repeats`` calls in a
-row (median), so that no peer's threads are left spinning into another's
-call. ``--sync`` runs jaxquant's calls on the calling thread
-(``tune_cpu(async_dispatch=False)``). Prints a markdown table with the cores
-the process may run on and the load average.
+``jaxquant.tune_cpu()``): jaxquant; onnxruntime with its default threads,
+spinning and not; and onnxruntime on one thread (``intra_op_num_threads=1``:
+its threads do not keep to ``taskset``'s cores, jaxquant's do). Each peer is
+timed alone, ``--repeats`` calls in a row (median), so that no peer's threads
+are left spinning into another's call. ``--sync`` runs jaxquant's calls on the
+calling thread (``tune_cpu(async_dispatch=False)``). Prints a markdown table
+with the cores the process may run on and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import sys
@@ -40,10 +42,14 @@ ROWS = (
 )
 
 
-def _peer(op, layout, types, elements, name, *, ort_spinning):
-  """The suite's ``name`` peer of one row, its onnxruntime session spinning or not."""
+# onnxruntime's sessions by column: keyword arguments of run._ort_session.
+ORT = {"onnxruntime": {}, "not spinning": {"spinning": False}, "one thread": {"threads": 1}}
+
+
+def _peer(op, layout, types, elements, name, **session):
+  """The suite's ``name`` peer of one row, its onnxruntime session made with ``session``."""
   cases = run.CASES[op](elements, np.random.default_rng(0), pallas=False,
-                        ort_spinning=ort_spinning)
+                        ort_session=functools.partial(run._ort_session, **session))  # pylint: disable=protected-access
   (case,) = [c for c in cases if (c.layout, c.types) == (layout, types)]
   return case.peers[name]
 
@@ -61,14 +67,13 @@ def main() -> None:
         f"{'synchronous' if args.sync else 'asynchronous (JAX default)'}; "
         f"{run._size(args.size)} elements; median of {args.repeats} calls, each peer alone; "  # pylint: disable=protected-access
         f"load average {os.getloadavg()[0]:.2f}")
-  print("| op | jaxquant us | onnxruntime, spinning us | onnxruntime, not spinning us |")
-  print("|---|---|---|---|")
+  print("| op | jaxquant us | onnxruntime us | onnxruntime, not spinning us "
+        "| onnxruntime, one thread us |")
+  print("|---|---|---|---|---|")
   for op, layout, types in ROWS:
-    peers = {
-        "jaxquant": _peer(op, layout, types, args.size, "jaxquant", ort_spinning=True),
-        "spinning": _peer(op, layout, types, args.size, "onnxruntime", ort_spinning=True),
-        "not spinning": _peer(op, layout, types, args.size, "onnxruntime", ort_spinning=False),
-    }
+    peers = {"jaxquant": _peer(op, layout, types, args.size, "jaxquant")}
+    for column, session in ORT.items():
+      peers[column] = _peer(op, layout, types, args.size, "onnxruntime", **session)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       medians = {name: interleaved_median_ms({name: call}, repeats=args.repeats)[0][name]

@@ -95,4 +95,4 @@ def test_dispatch_benchmark_runs_both_modes():
 def test_threads_benchmark_times_three_ops_three_ways():
   rows, output = _table_rows("threads.py", "--size", "8192", "--sync", prefix="| ")
   assert len(rows) == 4, output  # the header, quantize, add, dynamic
-  assert all(len(row.split("|")) == 6 for row in rows), output
+  assert all(len(row.split("|")) == 7 for row in rows), output
