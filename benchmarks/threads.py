@@ -42,16 +42,16 @@ ROWS = (
 )
 
 
-# onnxruntime's sessions by column: keyword arguments of run._ort_session.
-ORT = {"onnxruntime": {}, "not spinning": {"spinning": False}, "one thread": {"threads": 1}}
+# onnxruntime's sessions besides its default, by column: keyword arguments of run._ort_session.
+ORT_VARIANTS = {"not spinning": {"spinning": False}, "one thread": {"threads": 1}}
 
 
-def _peer(op, layout, types, elements, name, **session):
-  """The suite's ``name`` peer of one row, its onnxruntime session made with ``session``."""
+def _peers(op, layout, types, elements, **session):
+  """The suite's peers of one row, its onnxruntime session made with ``session``."""
   cases = run.CASES[op](elements, np.random.default_rng(0), pallas=False,
                         ort_session=functools.partial(run._ort_session, **session))  # pylint: disable=protected-access
-  (case,) = [c for c in cases if (c.layout, c.types) == (layout, types)]
-  return case.peers[name]
+  # The generator builds its cases one by one: stop at the row wanted.
+  return next(c for c in cases if (c.layout, c.types) == (layout, types)).peers
 
 
 def main() -> None:
@@ -71,9 +71,10 @@ def main() -> None:
         "| onnxruntime, one thread us |")
   print("|---|---|---|---|---|")
   for op, layout, types in ROWS:
-    peers = {"jaxquant": _peer(op, layout, types, args.size, "jaxquant")}
-    for column, session in ORT.items():
-      peers[column] = _peer(op, layout, types, args.size, "onnxruntime", **session)
+    default = _peers(op, layout, types, args.size)
+    peers = {"jaxquant": default["jaxquant"], "onnxruntime": default["onnxruntime"]}
+    for column, session in ORT_VARIANTS.items():
+      peers[column] = _peers(op, layout, types, args.size, **session)["onnxruntime"]
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       medians = {name: interleaved_median_ms({name: call}, repeats=args.repeats)[0][name]
