@@ -56,6 +56,39 @@ def test_matmul_integer_matches_both_oracles():
     np.testing.assert_array_equal(jq.matmul_integer(a, b, a_zero_point, b_zero_point), expected)
 
 
+# XLA:CPU's int8 dot by depth (docs/numerics.md): slices of a view of b (4096 = 2 x 2048),
+# 1024-deep copied slices (4099, a prime), more than 8 padded slices (8209, a prime); by
+# rows: the int8 dot (1 and 5 rows, a's zero point adding one) and the bfloat16 dot (300).
+@pytest.mark.parametrize("k", [4096, 4099, 8209])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_deep_matmuls_match_both_oracles(m, k):
+  rng = np.random.default_rng(m * k)
+  a_dtype = np.uint8 if k % 2 else np.int8
+  a, b = _integers(rng, a_dtype, (m, k)), _integers(rng, np.int8, (k, 6))
+  # Zero points near the middle leave QLinearMatMul's outputs mostly unsaturated
+  # (test_extremes_wrap_as_int32 takes the extremes); y's even one rounds ties alike
+  # in both oracles (test_qlinear_matmul_matches_onnxruntime_and_reference).
+  middle = 128 if a_dtype == np.uint8 else 0
+  inputs = {
+      "a": a, "a_scale": np.float32(0.02), "a_zero_point": a_dtype(middle + rng.integers(-9, 10)),
+      "b": b, "b_scale": rng.uniform(0.01, 0.02, 6).astype(np.float32),
+      "b_zero_point": rng.integers(-9, 10, 6).astype(np.int8),
+      "y_scale": np.float32(0.02 * 0.015 * 150 * np.sqrt(k)),  # y's sd: about 36
+      "y_zero_point": a_dtype(middle + 10),
+  }
+  inputs = {name: np.asarray(value) for name, value in inputs.items()}
+  integer_inputs = {name: inputs[name] for name in ("a", "b", "a_zero_point", "b_zero_point")}
+  expected = run_reference("MatMulInteger", integer_inputs, np.int32)
+  np.testing.assert_array_equal(run_onnxruntime("MatMulInteger", integer_inputs, np.int32),
+                                expected)
+  np.testing.assert_array_equal(jax.jit(jq.matmul_integer)(**integer_inputs), expected)
+  expected = run_onnxruntime("QLinearMatMul", inputs, a_dtype)
+  np.testing.assert_array_equal(run_reference("QLinearMatMul", inputs, a_dtype), expected)
+  np.testing.assert_array_equal(jax.jit(jq.qlinear_matmul)(**inputs), expected)
+  info = np.iinfo(a_dtype)
+  assert np.mean((expected > info.min) & (expected < info.max)) > 0.9
+
+
 def test_matmul_integer_per_row_and_without_zero_points():
   rng = np.random.default_rng(1)
   a, b = _integers(rng, np.uint8, (2, 5, 7)), _integers(rng, np.int8, (7, 3))
@@ -350,12 +383,15 @@ def test_qlinear_matmul_per_row_a():
 
 
 @pytest.mark.slow
-def test_call_styles():
-  """Eager, jit with traced and closed-over weights, vmap, export with a symbolic batch."""
+# Every depth path of XLA:CPU's int8 dot (docs/numerics.md): one dot; slices of a view of
+# the weight (4100 = 4 x 1025); more than 8 padded slices (8209, a prime).
+@pytest.mark.parametrize("k", [32, 4100, 8209])
+def test_call_styles(k):
+  """Eager, jit with traced and closed-over weights, vmap, x64, export with a symbolic batch."""
   rng = np.random.default_rng(5)
-  x = rng.standard_normal((6, 32)).astype(np.float32)
-  w = _integers(rng, np.int8, (32, 8))
-  w_scale = rng.uniform(0.01, 0.02, (1, 8)).astype(np.float32)
+  x = rng.standard_normal((6, k)).astype(np.float32)
+  w = _integers(rng, np.int8, (k, 8))
+  w_scale = (rng.uniform(0.01, 0.02, (1, 8)) / np.sqrt(k / 32)).astype(np.float32)
 
   def layer(x, w):
     q, scale, zero_point = jq.dynamic_quantize_linear(x)
@@ -367,23 +403,28 @@ def test_call_styles():
   np.testing.assert_array_equal(jax.jit(lambda x: layer(x, w))(x), expected)
   np.testing.assert_array_equal(jax.vmap(layer, in_axes=(0, None))(x[:, None], w)[:, 0],
                                 jnp.concatenate([layer(row[None], w) for row in x]))
+  with jax.enable_x64(True):
+    np.testing.assert_array_equal(jax.jit(layer)(x, w), expected)
+  # A symbolic row count may be large: the bfloat16 dot, sliced at depth.
   (batch,) = export.symbolic_shape("b")
   exported = export.export(jax.jit(lambda x: layer(x, w)))(
-      jax.ShapeDtypeStruct((batch, 32), jnp.float32))
+      jax.ShapeDtypeStruct((batch, k), jnp.float32))
   np.testing.assert_array_equal(exported.call(x), expected)
-  q = _integers(rng, np.uint8, (6, 32))
+  q = _integers(rng, np.uint8, (6, k))
   exported = export.export(jax.jit(jq.matmul_integer))(
-      jax.ShapeDtypeStruct((batch, 32), jnp.uint8), jax.ShapeDtypeStruct((32, 8), jnp.int8),
+      jax.ShapeDtypeStruct((batch, k), jnp.uint8), jax.ShapeDtypeStruct((k, 8), jnp.int8),
       jax.ShapeDtypeStruct((), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int8))
-  np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)),
-                                jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)))
+  exact = (q.astype(np.int64) - 7) @ (w.astype(np.int64) + 3)
+  np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)), _wrap32(exact))
+  np.testing.assert_array_equal(jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)), _wrap32(exact))
 
 
-def test_fake_quantized_operands_straight_through():
+@pytest.mark.parametrize("k", [16, 4100])
+def test_fake_quantized_operands_straight_through(k):
   """Float operands: the integer product's values, fake quantization's gradients."""
   rng = np.random.default_rng(6)
-  x = rng.standard_normal((5, 16)).astype(np.float32) * 2
-  w = rng.standard_normal((16, 4)).astype(np.float32)
+  x = rng.standard_normal((5, k)).astype(np.float32) * 2
+  w = (rng.standard_normal((k, 4)) / np.sqrt(k / 16)).astype(np.float32)
   x_scale = np.float32(0.02)  # x saturates: the masked gradient is tested at the edges
   w_scale = (np.abs(w).max(0, keepdims=True) / 127).astype(np.float32)
 
@@ -405,13 +446,16 @@ def test_fake_quantized_operands_straight_through():
   np.testing.assert_allclose(quantized(x, w, x_scale, w_scale), reference(x, w, x_scale, w_scale),
                              rtol=1e-5, atol=1e-5)
 
+  # A fixed cotangent: a cotangent of y (cos(y) of a sin loss) would carry the float
+  # reference's summation error into the gradients, growing with K.
+  cotangent = rng.standard_normal((5, 4)).astype(np.float32)
+
   def loss(function):
-    return lambda *args: jnp.sum(jnp.sin(function(*args)))
+    return lambda *args: jnp.sum(function(*args) * cotangent)
 
   got = jax.grad(loss(quantized), argnums=(0, 1, 2, 3))(x, w, x_scale, w_scale)
   expected = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(x, w, x_scale, w_scale)
   for g, e in zip(got, expected):
-    # The cotangent cos(y) sees the two forward values, equal to float32 rounding.
     np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
   assert np.any(got[0] == 0) and np.any(got[0] != 0)  # saturated entries pass no gradient
 
