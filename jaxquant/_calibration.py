@@ -174,7 +174,8 @@ def _histogram_mse(state: Observer, qmax: float) -> jax.Array:
 def _check_observer_qparams(arguments: dict) -> None:
   info = _dtypes.quantized_dtype("dtype", arguments["dtype"])
   _validate.check(
-      info.is_integer or arguments["method"] not in ("minmax", "qmax_plus_half"), "method", f"'absmax', 'percentile' or 'mse' for the float dtype {info.name}",
+      info.is_integer or arguments["method"] not in ("minmax", "qmax_plus_half"), "method",
+      f"'absmax', 'percentile' or 'mse' for the float dtype {info.name}",
       repr(arguments["method"]),
   )
   _validate.check(

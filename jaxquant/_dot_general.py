@@ -237,8 +237,9 @@ def dot_general_static_int8(
   :func:`calibrate` or :func:`observer_qparams`); ``rhs`` symmetric int8 per
   output feature as in :func:`dot_general_dynamic_int8`. The product is
   :func:`quantized_dot_general`'s: int32 accumulation with the zero point's
-  correction, exact, then ``float32(acc) * (s_in * s_rhs)``. Bind the parameters with ``functools.partial`` to get
-  ``lax.dot_general``'s signature; :func:`calibrate` does.
+  correction, exact, then ``float32(acc) * (s_in * s_rhs)``. Bind the
+  parameters with ``functools.partial`` to get ``lax.dot_general``'s
+  signature; :func:`calibrate` does.
 
   Args:
     lhs: float activations.

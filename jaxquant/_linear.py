@@ -130,8 +130,8 @@ def dequantize_linear(
         packed_shape, error=TypeError,
     )
     _validate.check(
-        packed_dtype is None or _dtypes._as_dtype(packed_dtype) == x_dtype, "packed_dtype", f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype),
-        error=TypeError,
+        packed_dtype is None or _dtypes._as_dtype(packed_dtype) == x_dtype, "packed_dtype",
+        f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype), error=TypeError,
     )
     packed_dtype = x_dtype
   zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)

@@ -6,7 +6,9 @@ neighbours, NaN, +-inf, +-0 and dtype extremes) and calls the op four ways:
 directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
-implementation. The ``ci`` hypothesis profile runs a few examples per op; run
+implementation. The integer matmuls are also held to an oracle: int64 NumPy
+for ``quantized_dot_general``, ONNX's formula for ``qlinear_matmul``. The
+``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
 
@@ -251,3 +253,165 @@ def test_fake_quantize_dynamic(data, seed):
   xs = [_float_values(rng, shape, np.float32, np.float32(0.37)) for rng in rngs]
   op = functools.partial(jq.fake_quantize_dynamic, dtype=jnp.int8, axis=axis)
   _four_ways(op, (xs[0],), (xs[1],))
+
+
+@dataclasses.dataclass(frozen=True)
+class DotLayout:
+  """Two operands' shapes and ``lax.dot_general`` dimension numbers, dims in any order."""
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  dimension_numbers: tuple
+  # An einsum spec of the same product, for the int64 oracle.
+  spec: str
+
+
+@st.composite
+def _dot_layouts(draw):
+  batch = draw(st.lists(st.integers(0, 3), max_size=2), label="batch sizes")
+  contracting = draw(st.lists(st.integers(0, 5), max_size=2), label="contracting sizes")
+  if len(contracting) == 1 and draw(st.booleans(), label="deep"):
+    # XLA:CPU's int8 dot in slices of a view (2049 = 3 x 683, 4100 = 4 x 1025) or padded
+    # (8209, a prime); with 300 rows, the bfloat16 dot in slices (1025 and up).
+    contracting = [draw(st.sampled_from([1025, 2049, 4100, 8209]), label="depth")]
+  # 300 rows: past _INT8_DOT_MAX_ROWS, XLA:CPU's bfloat16 dot.
+  lhs_free = draw(st.lists(st.sampled_from([0, 1, 2, 4, 300]), max_size=2), label="lhs free")
+  rhs_free = draw(st.lists(st.integers(0, 4), max_size=2), label="rhs free")
+  if math.prod(lhs_free) * math.prod(batch) > 300:
+    lhs_free = [min(n, 4) for n in lhs_free]
+  dims = {"b": batch, "c": contracting}
+
+  def operand(free, letters):
+    kinds = ([("b", i) for i in range(len(batch))] + [("c", i) for i in range(len(contracting))]
+             + [("f", i) for i in range(len(free))])
+    order = draw(st.permutations(kinds))
+    sizes = [free[i] if kind == "f" else dims[kind][i] for kind, i in order]
+    names = "".join({"b": "ab", "c": "kl", "f": letters}[kind][i] for kind, i in order)
+    position = {item: d for d, item in enumerate(order)}
+    return (tuple(sizes), names, tuple(position["c", i] for i in range(len(contracting))),
+            tuple(position["b", i] for i in range(len(batch))))
+
+  lhs_shape, lhs_names, lhs_contracting, lhs_batch = operand(lhs_free, "mn")
+  rhs_shape, rhs_names, rhs_contracting, rhs_batch = operand(rhs_free, "pq")
+  out = ("ab"[:len(batch)] + "".join(c for c in lhs_names if c in "mn")
+         + "".join(c for c in rhs_names if c in "pq"))
+  return DotLayout(lhs_shape, rhs_shape,
+                   ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)),
+                   f"{lhs_names},{rhs_names}->{out}")
+
+
+def _draw_parameter_shape(data, shape, contracting, label):
+  """None, per tensor, or the operand's rank with 1 on contracting dims (per row/column/batch)."""
+  kind = data.draw(st.sampled_from(["none", "tensor", "operand"]), label=label)
+  if kind == "none":
+    return None
+  if kind == "tensor":
+    return data.draw(st.sampled_from([(), (1,)]), label=f"{label} shape")
+  return tuple(1 if d in contracting or not data.draw(st.booleans(), label=f"{label} dim {d}")
+               else n for d, n in enumerate(shape))
+
+
+def _in_output_layout(parameter, contracting, batch, *, lhs, other_free):
+  """A parameter in its operand's layout, as an array broadcasting against the output."""
+  if parameter.size == 1 and parameter.ndim <= 1:
+    return parameter.reshape(())
+  free = [d for d in range(parameter.ndim) if d not in contracting and d not in batch]
+  kept = np.transpose(parameter, list(batch) + free + list(contracting))
+  kept = kept.reshape(kept.shape[:len(batch) + len(free)])
+  batch_shape, free_shape = kept.shape[:len(batch)], kept.shape[len(batch):]
+  ones = (1,) * other_free
+  return kept.reshape(batch_shape + (free_shape + ones if lhs else ones + free_shape))
+
+
+def _centred(x, zero_point):
+  x = np.asarray(x, np.int64)
+  if zero_point is None:
+    return x
+  zero_point = np.asarray(zero_point, np.int64)
+  return x - (zero_point.reshape(()) if zero_point.size == 1 and zero_point.ndim <= 1
+              else zero_point)
+
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_quantized_dot_general(data, seed):
+  """Any dimension numbers, integer dtypes and parameter layouts: int64 arithmetic's bits."""
+  layout = data.draw(_dot_layouts(), label="layout")
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = layout.dimension_numbers
+  sides = {"lhs": (layout.lhs_shape, lhs_contracting, lhs_batch),
+           "rhs": (layout.rhs_shape, rhs_contracting, rhs_batch)}
+  dtypes = {side: data.draw(st.sampled_from(INTEGER_DTYPES_TO_16_BITS), label=f"{side} dtype")
+            for side in sides}
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  parameters = {}
+  for side, (shape, contracting, _) in sides.items():
+    for name, values in (("zero_point", lambda s: _integer_values(rngs[0], s, dtypes[side])),
+                         ("scale", lambda s: _scales(rngs[0], s, np.float32))):
+      parameter_shape = _draw_parameter_shape(data, shape, contracting, f"{side} {name}")
+      if parameter_shape is not None:
+        parameters[f"{side}_{name}"] = values(parameter_shape)
+  operands = [tuple(_integer_values(rng, sides[side][0], dtypes[side]) for side in sides)
+              for rng in rngs]
+
+  def op(lhs, rhs, *values):
+    return jq.quantized_dot_general(lhs, rhs, layout.dimension_numbers,
+                                    **dict(zip(parameters, values)))
+
+  values = tuple(parameters.values())
+  _four_ways(op, (*operands[0], *values), (*operands[1], *values))
+  lhs, rhs = (_centred(x, parameters.get(f"{side}_zero_point"))
+              for x, side in zip(operands[0], sides))
+  exact = np.einsum(layout.spec, lhs, rhs)
+  expected = ((exact + 2**31) % 2**32 - 2**31).astype(np.int32)
+  if any(name.endswith("scale") for name in parameters):
+    lhs_free, rhs_free = (len(shape) - len(contracting) - len(batch)
+                          for shape, contracting, batch in sides.values())
+    scale = [_in_output_layout(parameters.get(f"{side}_scale", np.float32(1)), contracting,
+                               batch, lhs=side == "lhs",
+                               other_free=rhs_free if side == "lhs" else lhs_free)
+             for side, (_, contracting, batch) in sides.items()]
+    expected = expected.astype(np.float32) * (scale[0] * scale[1])
+  assert_bits_equal(op(*operands[0], *values), expected, "against int64 arithmetic")
+
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_qlinear_matmul(data, seed):
+  """numpy.matmul shapes, per-tensor/row/column parameters, ties: ONNX's formula's bits."""
+  m, n = (data.draw(st.integers(0, 4), label=name) for name in "mn")
+  k = data.draw(st.sampled_from([0, 1, 3, 8, 4100]), label="k")
+  batch = data.draw(st.lists(st.integers(1, 3), max_size=2), label="batch")
+  a_shape = data.draw(st.sampled_from([(k,), (m, k), (*batch, m, k)]), label="a shape")
+  b_shape = data.draw(st.sampled_from([(k,), (k, n), ((1,) * len(batch)) + (k, n)]),
+                      label="b shape")
+  a_dtype, b_dtype, y_dtype = (data.draw(st.sampled_from([np.int8, np.uint8]), label=name)
+                               for name in ("a dtype", "b dtype", "y dtype"))
+  per_row = len(a_shape) >= 2 and data.draw(st.booleans(), label="per row")
+  per_column = len(b_shape) >= 2 and data.draw(st.booleans(), label="per column")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  rows, columns = (m,) if per_row else (), (n,) if per_column else ()
+  # Powers of two: many accumulators times the multiplier land on ties.
+  a_scale = rngs[0].choice(np.float32([0.25, 0.5, 0.37]), rows)
+  b_scale = rngs[0].choice(np.float32([0.5, 1.0, 0.91362804]), columns)
+  y_scale = np.float32(data.draw(st.sampled_from([0.5, 2.0, 4.0, 3.7, 64.0]), label="y scale"))
+  a_zero_point = _integer_values(rngs[0], rows, a_dtype)
+  b_zero_point = _integer_values(rngs[0], columns, b_dtype)
+  y_zero_point = _integer_values(rngs[0], (), y_dtype)
+  operands = [(_integer_values(rng, a_shape, a_dtype), _integer_values(rng, b_shape, b_dtype))
+              for rng in rngs]
+
+  def op(a, b):
+    return jq.qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale,
+                             y_zero_point)
+
+  _four_ways(op, operands[0], operands[1])
+  a, b = (np.asarray(x, np.int64) for x in operands[0])
+  a = a - (np.asarray(a_zero_point, np.int64)[:, None] if per_row else a_zero_point)
+  b = b - np.asarray(b_zero_point, np.int64)
+  accumulator = ((np.matmul(a, b) + 2**31) % 2**32 - 2**31).astype(np.int32)
+  multiplier = (a_scale[:, None] if per_row else a_scale) * b_scale / y_scale
+  if len(a_shape) == 1 or len(b_shape) == 1:  # matmul drops a vector's dim
+    multiplier = multiplier.reshape(-1 if accumulator.ndim else ())
+  info = np.iinfo(y_dtype)
+  value = np.rint(accumulator.astype(np.float32) * multiplier)
+  expected = np.clip(value + np.float32(y_zero_point), info.min, info.max).astype(y_dtype)
+  assert_bits_equal(op(*operands[0]), expected, "against ONNX's formula")

@@ -352,6 +352,28 @@ def test_qlinear_matmul_matches_onnxruntime_and_reference():
   assert ties > 0, "no tie with an odd zero point was drawn: the deviation is untested"
 
 
+def test_qlinear_matmul_divides_by_y_scale():
+  """The multiplier is (a_scale * b_scale) / y_scale, a float32 division, as in both oracles.
+
+  These scales (found by search) make the reciprocal's multiplier one ulp larger, and
+  accumulators of +-2408 then round to 78 instead of 77.
+  """
+  a_scale, b_scale, y_scale = np.float32([0.019982591, 0.09850354, 0.061158728])
+  a = np.int8([[19, -5], [-19, 5]])  # times b: +-(19 * 127 - 5) = +-2408
+  b = np.int8([[127], [1]])
+  inputs = {"a": a, "a_scale": a_scale, "a_zero_point": np.int8(0), "b": b,
+            "b_scale": b_scale, "b_zero_point": np.int8(0), "y_scale": y_scale,
+            "y_zero_point": np.int8(0)}
+  inputs = {name: np.asarray(value) for name, value in inputs.items()}
+  accumulator = np.float32([[2408], [-2408]])
+  by_reciprocal = np.rint(accumulator * ((a_scale * b_scale) * (np.float32(1) / y_scale)))
+  np.testing.assert_array_equal(by_reciprocal, [[78], [-78]])
+  for expected in (run_onnxruntime("QLinearMatMul", inputs, np.int8),
+                   run_reference("QLinearMatMul", inputs, np.int8)):
+    np.testing.assert_array_equal(expected, [[77], [-77]])
+  np.testing.assert_array_equal(jq.qlinear_matmul(**inputs), [[77], [-77]])
+
+
 def test_m2_reference_broadcasts_a_per_row_zero_point_along_k():
   """M2: onnx.reference subtracts a 1-D a_zero_point along K, not per row."""
   rng = np.random.default_rng(9)
