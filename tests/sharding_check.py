@@ -231,6 +231,34 @@ def dot_general_cases():
            weight.values.size // mesh.size // 16)
 
 
+def weight_only_cases():
+  """The weight-only int4 layer (blocks of 32 along K, packed) on a weight quantized where it
+  lies: split along N, quantize_params packs each row (a flat stream cannot be split by
+  column) and every device dequantizes and multiplies its own columns; split along rows,
+  the weight is replicated. Not along K: XLA adds the float partials across devices, in
+  another order than one device's dot (the int8 layer above is exact there)."""
+  k, n, rows = 1024, 512, 16
+  shape, names, _ = MESHES["1d"]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  w = (rng.standard_normal((k, n)) / 32).astype(np.float32)
+  rule = jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32)
+  f = jax.jit(lambda x, w: jq.dot_general_weight_only(x, w, (((1,), (0,)), ((), ()))))
+  want = f(x, jq.quantize_params(jnp.asarray(w), rule))
+  for layout, x_spec, w_spec, out_spec in [
+      ("N", P(), P(None, "c"), P(None, "c")),
+      ("rows", P("c", None), P(), P("c", None)),
+  ]:
+    weight = jq.quantize_params(jax.device_put(w, NamedSharding(mesh, w_spec)), rule)
+    assert weight.values.sharding.is_equivalent_to(
+        NamedSharding(mesh, w_spec), weight.values.ndim), (layout, weight.values.sharding)
+    arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), weight)
+    report(f"jit 1d xla dot_general_weight_only {layout} -", f(*arguments), want,
+           f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
+           weight.values.size // mesh.size // 16)
+
+
 def vmap_cases():
   """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
   shape, names, _ = MESHES["2d"]
@@ -348,6 +376,7 @@ if __name__ == "__main__":
   for mesh_name in MESHES:
     jit_cases(mesh_name)
   matmul_nbits_cases()
+  weight_only_cases()
   dot_general_cases()
   vmap_cases()
   shard_map_cases()

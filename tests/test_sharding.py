@@ -51,7 +51,7 @@ def test_every_case_ran(cases):
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
           "fake_quantize", "fake_quantize_learnable", "dynamic_quantize_linear",
           "fake_quantize_dynamic", "quantized_add", "matmul_nbits",
-          "dot_general_dynamic_int8"} <= ops, ops
+          "dot_general_dynamic_int8", "dot_general_weight_only"} <= ops, ops
   assert any(name.startswith("jit 2d") for name in cases)
   assert any(name.startswith("shard_map") for name in cases)
   assert any("pack rows" in name for name in cases)
