@@ -35,6 +35,12 @@ _COLLECTIVE = re.compile(
     r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all|collective-permute)(?:-start)?\(")
 
 
+def make_mesh(name: str, axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
+  """The mesh of ``MESHES[name]``, every axis of ``axis_type``."""
+  shape, names, _ = MESHES[name]
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
 def collectives(hlo: str) -> list[tuple[str, str, int]]:
   """(op, type, elements) of each data-moving collective in a compiled program."""
   return [(op, f"{dtype}[{dims}]", int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
@@ -102,8 +108,7 @@ def report(case, got, want, compiled, x_sharding, shard_elements):
 
 
 def jit_cases(mesh_name):
-  shape, names, spec = MESHES[mesh_name]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  mesh, spec = make_mesh(mesh_name), MESHES[mesh_name][2]
   x_sharding = NamedSharding(mesh, spec)
   replicated = NamedSharding(mesh, P())
   for shard_name, (columns, block_size) in BLOCKED.items():
@@ -181,8 +186,7 @@ def matmul_nbits_cases():
   ]
   rng = np.random.default_rng(5)
   for mesh_name, layout, a_shape, a_spec, n, weight_spec, out_spec in cases:
-    shape, names, _ = MESHES[mesh_name]
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+    mesh = make_mesh(mesh_name)
     a = rng.standard_normal(a_shape).astype(np.float32)
     weight = (rng.integers(0, 256, (n, k // block_size, block_size * bits // 8), np.uint8),
               rng.uniform(0.01, 0.05, (n, k // block_size)).astype(np.float32),
@@ -208,8 +212,7 @@ def dot_general_cases():
   along K (row-parallel), along N (column-parallel) and along rows: int32 partials
   added across devices are exact, and no device receives another's weight."""
   k, n, rows = 4096, 64, 16
-  shape, names, _ = MESHES["1d"]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  mesh = make_mesh("1d")
   rng = np.random.default_rng(6)
   x = rng.standard_normal((rows, k)).astype(np.float32)
   weight = jq.quantize_params(
@@ -238,8 +241,7 @@ def weight_only_cases():
   the weight is replicated. Not along K: XLA adds the float partials across devices, in
   another order than one device's dot (the int8 layer above is exact there)."""
   k, n, rows = 1024, 512, 16
-  shape, names, _ = MESHES["1d"]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  mesh = make_mesh("1d")
   rng = np.random.default_rng(7)
   x = rng.standard_normal((rows, k)).astype(np.float32)
   w = (rng.standard_normal((k, n)) / 32).astype(np.float32)
@@ -261,8 +263,7 @@ def weight_only_cases():
 
 def vmap_cases():
   """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
-  shape, names, _ = MESHES["2d"]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  mesh = make_mesh("2d")
   spec = P("r", None, "c")
   x_sharding = NamedSharding(mesh, spec)
   columns, block_size = BLOCKED["aligned"]
@@ -289,8 +290,8 @@ def shard_map_cases():
   shard's own. Each is compared with the op applied to every shard on one
   device.
   """
-  shape, names, spec = MESHES["2d"]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  shape, _, spec = MESHES["2d"]
+  mesh = make_mesh("2d", AxisType.Explicit)
   columns, block_size = BLOCKED["aligned"]
   rng = np.random.default_rng(7)
   x = (rng.standard_normal((ROWS, columns)) * 0.1).astype(np.float32)
@@ -356,8 +357,7 @@ def shard_map_cases():
 
 def explicit_mesh_packing_cases():
   """Under an explicit-sharding mesh the sharding is part of the type."""
-  shape, names, spec = MESHES["2d"]
-  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  mesh, spec = make_mesh("2d", AxisType.Explicit), MESHES["2d"][2]
   q = np.random.default_rng(3).integers(-8, 8, (ROWS, 64)).astype(jnp.int4)
   qs = jax.device_put(q, NamedSharding(mesh, spec))
   report("explicit 2d - pack rows - aligned", jq.pack(qs, layout="rows"),
