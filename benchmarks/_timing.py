@@ -47,3 +47,9 @@ def interleaved_median_ms(functions, *, repeats, budget_s=None):
     median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
     medians[name] = median * 1e3
   return medians, repeats
+
+
+def median_ms(function, *, repeats):
+  """Median milliseconds of ``repeats`` calls of ``function`` in a row, after one warm-up."""
+  medians, _ = interleaved_median_ms({"function": function}, repeats=repeats)
+  return medians["function"]

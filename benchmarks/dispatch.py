@@ -35,14 +35,14 @@ import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import jaxquant as jq
 sys.path.insert(0, sys.argv[2])
-from _timing import interleaved_median_ms
+from _timing import median_ms
 jq.tune_cpu(mmap_threshold=None, vector_width=None, async_dispatch=sys.argv[1] == "async")
 rng = np.random.default_rng(0)
 results = {}
 
 def call_and_wait(name, function, *args, calls=400):
   # One function at a time: a warm-up call, then ``calls`` calls each waited on.
-  results[name] = interleaved_median_ms({name: lambda: function(*args)}, repeats=calls)[0][name]
+  results[name] = median_ms(lambda: function(*args), repeats=calls)
 
 quantize = jax.jit(lambda x: jq.quantize_linear(x, jnp.float32(0.02), output_dtype=jnp.int8))
 for elements in (1 << 14, 1 << 16, 1 << 18, 1 << 20):

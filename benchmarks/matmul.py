@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 from jax import lax
@@ -58,6 +57,7 @@ import onnxruntime
 from onnxruntime import quantization
 
 import jaxquant as jq
+from _timing import interleaved_median_ms
 
 try:
   import qwix
@@ -179,18 +179,6 @@ def _load() -> str:
   return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def _medians(peers: dict, repeats: int) -> dict[str, float]:
-  times = {name: [] for name in peers}
-  for function in peers.values():
-    jax.block_until_ready(function())
-  for _ in range(repeats):
-    for name, function in peers.items():
-      start = time.perf_counter()
-      jax.block_until_ready(function())
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
@@ -269,7 +257,7 @@ def main() -> None:
           **({"qwix": lambda: qwix_batched(xb)} if qwix_batched else {}),
       }
     for layer, peers in cases.items():
-      medians = _medians(peers, args.repeats)
+      medians, _ = interleaved_median_ms(peers, repeats=args.repeats)
       for name, ms in medians.items():
         print(f"| {layer} | {m} | {name} | {ms:.3f} | {ms / medians['float32']:.2f} |",
               flush=True)

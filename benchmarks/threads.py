@@ -32,7 +32,7 @@ import jaxquant as jq
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import run  # pylint: disable=wrong-import-position
-from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
+from _timing import median_ms  # pylint: disable=wrong-import-position
 
 # (op, layout, types): the suite's rows compared here.
 ROWS = (
@@ -77,8 +77,7 @@ def main() -> None:
       peers[column] = _peers(op, layout, types, args.size, **session)["onnxruntime"]
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      medians = {name: interleaved_median_ms({name: call}, repeats=args.repeats)[0][name]
-                 for name, call in peers.items()}
+      medians = {name: median_ms(call, repeats=args.repeats) for name, call in peers.items()}
     print(f"| {op} {types} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in medians.values()) + " |",
           flush=True)
   print(f"load average {os.getloadavg()[0]:.2f}")
