@@ -473,6 +473,11 @@ def spec_quantize(quotient, zero_point, qdtype, saturate=True):
   return quotient.astype(np.float32).astype(qdtype)
 
 
+def wrap_int32(x) -> np.ndarray:
+  """Integers (exact, as int64) reduced to int32 as two's complement wraps them (ONNX's int32)."""
+  return ((np.asarray(x, np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
 def spec_dequantize(x, scale, zero_point, output_dtype):
   """The documented dequantize, elementwise on full-shape operands."""
   if is_integer(x.dtype):

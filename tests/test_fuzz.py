@@ -36,6 +36,8 @@ from quant_testing import FLOAT_DTYPES
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import INT32
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
+from quant_testing import spec_quantize
+from quant_testing import wrap_int32
 
 # Every example compiles its op four ways: the whole suite is slow.
 pytestmark = pytest.mark.slow
@@ -360,8 +362,7 @@ def test_quantized_dot_general(data, seed):
   _four_ways(op, (*operands[0], *values), (*operands[1], *values))
   lhs, rhs = (_centred(x, parameters.get(f"{side}_zero_point"))
               for x, side in zip(operands[0], sides))
-  exact = np.einsum(layout.spec, lhs, rhs)
-  expected = ((exact + 2**31) % 2**32 - 2**31).astype(np.int32)
+  expected = wrap_int32(np.einsum(layout.spec, lhs, rhs))
   if any(name.endswith("scale") for name in parameters):
     lhs_free, rhs_free = (len(shape) - len(contracting) - len(batch)
                           for shape, contracting, batch in sides.values())
@@ -407,11 +408,10 @@ def test_qlinear_matmul(data, seed):
   a, b = (np.asarray(x, np.int64) for x in operands[0])
   a = a - (np.asarray(a_zero_point, np.int64)[:, None] if per_row else a_zero_point)
   b = b - np.asarray(b_zero_point, np.int64)
-  accumulator = ((np.matmul(a, b) + 2**31) % 2**32 - 2**31).astype(np.int32)
+  accumulator = wrap_int32(np.matmul(a, b))
   multiplier = (a_scale[:, None] if per_row else a_scale) * b_scale / y_scale
   if len(a_shape) == 1 or len(b_shape) == 1:  # matmul drops a vector's dim
     multiplier = multiplier.reshape(-1 if accumulator.ndim else ())
-  info = np.iinfo(y_dtype)
-  value = np.rint(accumulator.astype(np.float32) * multiplier)
-  expected = np.clip(value + np.float32(y_zero_point), info.min, info.max).astype(y_dtype)
+  value = accumulator.astype(np.float32) * multiplier
+  expected = spec_quantize(value.astype(np.float64), np.float64(y_zero_point), y_dtype)
   assert_bits_equal(op(*operands[0]), expected, "against ONNX's formula")

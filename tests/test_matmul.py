@@ -15,6 +15,7 @@ import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
 from quant_testing import entry_work
+from quant_testing import wrap_int32
 
 _DIMS = (((1,), (0,)), ((), ()))
 
@@ -22,11 +23,6 @@ _DIMS = (((1,), (0,)), ((), ()))
 def _integers(rng, dtype, shape):
   info = jnp.iinfo(dtype)
   return rng.integers(info.min, info.max + 1, shape).astype(dtype)
-
-
-def _wrap32(x):
-  """int64 values reduced to int32 as two's complement wraps them."""
-  return ((np.asarray(x, np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
 
 
 def _matmul_cases(seed, count):
@@ -110,7 +106,7 @@ def test_narrow_and_wide_operands(a_dtype, b_dtype):
   exact = (a.astype(np.int64) - a_zero_point.astype(np.int64)) @ (
       b.astype(np.int64) - b_zero_point.astype(np.int64))
   np.testing.assert_array_equal(
-      jq.matmul_integer(a, b, a_zero_point, b_zero_point), _wrap32(exact))
+      jq.matmul_integer(a, b, a_zero_point, b_zero_point), wrap_int32(exact))
 
 
 @pytest.mark.parametrize("a_dtype, b_dtype", [(np.uint8, np.int8), (np.int8, np.int8),
@@ -127,7 +123,7 @@ def test_extremes_wrap_as_int32(a_dtype, b_dtype):
     for b_zero_point in (b_info.min, b_info.max):
       exact = (a.astype(np.int64) - a_zero_point) @ (b.astype(np.int64) - b_zero_point)
       got = jq.matmul_integer(a, b, a_dtype(a_zero_point), b_dtype(b_zero_point))
-      np.testing.assert_array_equal(got, _wrap32(exact))
+      np.testing.assert_array_equal(got, wrap_int32(exact))
   # The naive formula in int32 wraps identically.
   naive = np.matmul(a.astype(np.int32) - a_info.max, b.astype(np.int32) - b_info.min)
   np.testing.assert_array_equal(
@@ -146,7 +142,7 @@ def test_quantized_dot_general_dimension_numbers():
                     rhs.astype(np.int64) - rhs_zero_point)
   accumulator = jq.quantized_dot_general(
       lhs, rhs, dims, lhs_zero_point=lhs_zero_point, rhs_zero_point=rhs_zero_point)
-  np.testing.assert_array_equal(accumulator, _wrap32(exact))
+  np.testing.assert_array_equal(accumulator, wrap_int32(exact))
   lhs_scale = rng.uniform(0.01, 0.1, (1, 4, 1, 1)).astype(np.float32)
   rhs_scale = rng.uniform(0.01, 0.1, (2, 1, 6, 1)).astype(np.float32)
   scaled = jq.quantized_dot_general(
@@ -168,7 +164,7 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   """Both XLA:CPU int8 products (int8 dot of >= 2 rows; chunked bfloat16 dot), bit for bit."""
   rng = np.random.default_rng(k + m)
   lhs, rhs = _integers(rng, np.int8, (m, k)), _integers(rng, np.int8, (k, 5))
-  exact = _wrap32(lhs.astype(np.int64) @ rhs.astype(np.int64))
+  exact = wrap_int32(lhs.astype(np.int64) @ rhs.astype(np.int64))
   for max_rows in (jq._matmul._INT8_DOT_MAX_ROWS, -1):  # the int8 dot, then the bfloat16 one
     monkeypatch.setattr(jq._matmul, "_INT8_DOT_MAX_ROWS", max_rows)
     np.testing.assert_array_equal(jq._matmul._int8_dot(lhs, rhs, _DIMS), exact)
@@ -177,11 +173,11 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   vector = _integers(rng, np.int8, (k,))
   np.testing.assert_array_equal(
       jq._matmul._int8_dot(vector, rhs, (((0,), (0,)), ((), ()))),
-      _wrap32(vector.astype(np.int64) @ rhs.astype(np.int64)))
+      wrap_int32(vector.astype(np.int64) @ rhs.astype(np.int64)))
   lhs3 = _integers(rng, np.int8, (2, k, m))
   np.testing.assert_array_equal(
       jq._matmul._int8_dot(lhs3, rhs, (((1,), (0,)), ((), ()))),
-      _wrap32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
+      wrap_int32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, compiled, copies_rhs", [
@@ -224,7 +220,7 @@ def test_int8_path_chosen_by_rows():
   for m, copies in [(0, False), (1, False), (limit - 1, False), (limit, True)]:
     a = _integers(rng, np.uint8, (m, k))
     exact = (a.astype(np.int64) - 131) @ (b.astype(np.int64) + 2)
-    np.testing.assert_array_equal(call(a, b), _wrap32(exact))
+    np.testing.assert_array_equal(call(a, b), wrap_int32(exact))
     if jax.default_backend() == "cpu":
       hlo = call.lower(a, b).compile().as_text()
       assert (f"bf16[{k},{n}]" in hlo) == copies, (m, hlo)
@@ -437,8 +433,8 @@ def test_call_styles(k):
       jax.ShapeDtypeStruct((batch, k), jnp.uint8), jax.ShapeDtypeStruct((k, 8), jnp.int8),
       jax.ShapeDtypeStruct((), jnp.uint8), jax.ShapeDtypeStruct((), jnp.int8))
   exact = (q.astype(np.int64) - 7) @ (w.astype(np.int64) + 3)
-  np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)), _wrap32(exact))
-  np.testing.assert_array_equal(jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)), _wrap32(exact))
+  np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)), wrap_int32(exact))
+  np.testing.assert_array_equal(jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)), wrap_int32(exact))
 
 
 @pytest.mark.parametrize("k", [16, 4100])
