@@ -5,7 +5,8 @@
 
 Prints one JSON object per case: ``equal`` (bit for bit the unsharded
 result), ``collectives`` (all-gathers, all-to-alls and collective-permutes
-in the compiled program whose result is as large as a shard of x or larger),
+in the compiled program whose result, a tuple's arrays together, is as large
+as a shard of x or larger),
 ``halo_elements`` (the largest collective-permute), ``sharding`` (whether
 every x-shaped output has x's sharding).
 """
@@ -31,8 +32,12 @@ ROWS = 8
 # cut through 16-column blocks; 200 columns in 16s end in a short block.
 BLOCKED = {"aligned": (256, 32), "straddling": (192, 16), "ragged": (200, 16)}
 MESHES = {"1d": ((8,), ("c",), P(None, "c")), "2d": ((4, 2), ("r", "c"), P("r", "c"))}
+# A result is one array or a tuple of them: an all-to-all of a split dim returns
+# one piece per device, `(s8[2,1,512], s8[2,1,512], ...)`.
 _COLLECTIVE = re.compile(
-    r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all|collective-permute)(?:-start)?\(")
+    r"= (\([^()]*\)|\w+\[[\d,]*\])[^=]*? (all-gather|all-to-all|collective-permute)"
+    r"(?:-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def make_mesh(name: str, axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
@@ -43,8 +48,13 @@ def make_mesh(name: str, axis_type: AxisType = AxisType.Auto) -> jax.sharding.Me
 
 def collectives(hlo: str) -> list[tuple[str, str, int]]:
   """(op, type, elements) of each data-moving collective in a compiled program."""
-  return [(op, f"{dtype}[{dims}]", int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
-          for dtype, dims, op in _COLLECTIVE.findall(hlo)]
+  found = []
+  for result, op in _COLLECTIVE.findall(hlo):
+    arrays = _ARRAY.findall(result)
+    kind = ", ".join(f"{dtype}[{dims}]" for dtype, dims in arrays)
+    found.append((op, kind if len(arrays) == 1 else f"({kind})", sum(
+        int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for _, dims in arrays)))
+  return found
 
 
 def layouts(columns, block_size):
@@ -234,6 +244,88 @@ def dot_general_cases():
            weight.values.size // mesh.size // 16)
 
 
+def integer_matmul_cases():
+  """The integer matmuls split along rows, N, K and a batch dim: int32 sums wrap exactly in
+  any order, so partials added across devices (a split along K) equal one device too.
+
+  matmul_integer is 49152 deep (24 slices of 2048, docs/numerics.md), with the dtypes'
+  extremes in the first rows and columns, where the int32 sums wrap. A zero point on a
+  (every uint8 a) appends a row of ones to a's rows (rhs's sums over K): a split along a's
+  rows moves a and the product's rows between devices (docs/sharding.md).
+  """
+  m, k, n = 16, 49152, 64
+  rng = np.random.default_rng(8)
+  a = rng.integers(0, 256, (m, k), np.uint8)
+  b = rng.integers(-128, 128, (k, n), np.int8)
+  a_zero_point = rng.integers(0, 256, m).astype(np.uint8)
+  b_zero_point = rng.integers(-128, 128, n).astype(np.int8)
+  a[:2], a_zero_point[:2] = [[255], [0]], [0, 255]
+  b[:, :2], b_zero_point[:2] = [-128, 127], [127, -128]
+
+  def check(mesh_name, op, layout, f, arguments, specs, out_spec):
+    mesh = make_mesh(mesh_name)
+    sharded = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(arguments, specs)]
+    want = f(*arguments)
+    # Counted from a shard of the output, the smallest array here: a's pieces or the
+    # product's rows moving between devices show.
+    report(f"jit {mesh_name} xla {op} {layout} -", f(*sharded), want,
+           f.lower(*sharded).compile().as_text(), NamedSharding(mesh, out_spec),
+           want.size // mesh.size)
+
+  matmul_integer = jax.jit(jq.matmul_integer)
+  for mesh_name, layout, a_spec, b_spec, a_zero_point_spec, b_zero_point_spec, out_spec in [
+      ("1d", "rows", P("c", None), P(), P("c"), P(), P("c", None)),
+      ("1d", "N", P(), P(None, "c"), P(), P("c"), P(None, "c")),
+      ("1d", "K", P(None, "c"), P("c", None), P(), P(), P(None, None)),
+      ("2d", "rows+N", P("r", None), P(None, "c"), P("r"), P("c"), P("r", "c")),
+      ("2d", "K+N", P(None, "r"), P("r", "c"), P(), P("c"), P(None, "c")),
+  ]:
+    # Split along N, a's zero point is one element (per tensor).
+    check(mesh_name, "matmul_integer", layout, matmul_integer,
+          (a, b, a_zero_point[:1] if layout == "N" else a_zero_point, b_zero_point),
+          (a_spec, b_spec, a_zero_point_spec, b_zero_point_spec), out_spec)
+  # An int8 a without a zero point: no row of ones, nothing moves.
+  check("1d", "matmul_integer", "rows(int8,no-zero-point)", matmul_integer,
+        (a.view(np.int8), b, None, b_zero_point), (P("c", None), P(), P(), P()), P("c", None))
+
+  depth = 1024
+  # y_scale 128: 4-13% of the outputs saturate, the others take 90-200 values.
+  qlinear_matmul = jax.jit(lambda a, a_zero_point, b, b_scale, b_zero_point: jq.qlinear_matmul(
+      a, np.float32(0.02), a_zero_point, b, b_scale, b_zero_point, np.float32(128.0),
+      np.uint8(128)))
+  b_scale = rng.uniform(0.01, 0.05, n).astype(np.float32)
+  for parameters, b_parameters in [("per-tensor", (b_scale[:1], b_zero_point[:1])),
+                                   ("per-column", (b_scale, b_zero_point))]:
+    for layout, a_spec, a_zero_point_spec, b_spec, per_column_spec, out_spec in [
+        ("rows", P("c", None), P("c"), P(), P(), P("c", None)),
+        ("N", P(), P(), P(None, "c"), P("c"), P(None, "c")),
+        ("K", P(None, "c"), P(), P("c", None), P(), P(None, None)),
+    ]:
+      b_parameters_spec = per_column_spec if parameters == "per-column" else P()
+      check("1d", "qlinear_matmul", f"{layout},{parameters}", qlinear_matmul,
+            (a[:, :depth], a_zero_point, b[:depth], *b_parameters),
+            (a_spec, a_zero_point_spec, b_spec, b_parameters_spec, b_parameters_spec),
+            out_spec)
+
+  batch, rows, depth = 8, 16, 512
+  lhs = rng.integers(0, 256, (batch, rows, depth), np.uint8)
+  rhs = rng.integers(-128, 128, (batch, depth, n), np.int8)
+  lhs_zero_point = rng.integers(0, 256, (batch, rows, 1)).astype(np.uint8)
+  rhs_scale = rng.uniform(0.01, 0.05, (batch, 1, n)).astype(np.float32)
+  rhs_zero_point = rng.integers(-128, 128, (batch, 1, n)).astype(np.int8)
+  quantized_dot_general = jax.jit(
+      lambda lhs, rhs, lhs_zero_point, rhs_scale, rhs_zero_point: jq.quantized_dot_general(
+          lhs, rhs, (((2,), (1,)), ((0,), (0,))), lhs_scale=np.float32(0.02),
+          lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, rhs_zero_point=rhs_zero_point))
+  for mesh_name, layout, lhs_spec, rhs_spec in [
+      ("1d", "batch", P("c", None, None), P("c", None, None)),
+      ("2d", "batch+N", P("r", None, None), P("r", None, "c")),
+  ]:
+    check(mesh_name, "quantized_dot_general", layout, quantized_dot_general,
+          (lhs, rhs, lhs_zero_point, rhs_scale, rhs_zero_point),
+          (lhs_spec, rhs_spec, lhs_spec, rhs_spec, rhs_spec), rhs_spec)
+
+
 def weight_only_cases():
   """The weight-only int4 layer (blocks of 32 along K, packed) on a weight quantized where it
   lies: split along N, quantize_params packs each row (a flat stream cannot be split by
@@ -378,6 +470,7 @@ if __name__ == "__main__":
   matmul_nbits_cases()
   weight_only_cases()
   dot_general_cases()
+  integer_matmul_cases()
   vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()

@@ -51,7 +51,8 @@ def test_every_case_ran(cases):
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
           "fake_quantize", "fake_quantize_learnable", "dynamic_quantize_linear",
           "fake_quantize_dynamic", "quantized_add", "matmul_nbits",
-          "dot_general_dynamic_int8", "dot_general_weight_only"} <= ops, ops
+          "dot_general_dynamic_int8", "dot_general_weight_only", "matmul_integer",
+          "qlinear_matmul", "quantized_dot_general"} <= ops, ops
   assert any(name.startswith("jit 2d") for name in cases)
   assert any(name.startswith("shard_map") for name in cases)
   assert any("pack rows" in name for name in cases)
@@ -68,11 +69,18 @@ def _windowed(name: str) -> bool:
   return "dynamic" in name and ("straddling" in name or "ragged" in name)
 
 
+def _appends_to_split_rows(name: str) -> bool:
+  """An integer matmul split along a's rows, with a zero point on a (every uint8 a)."""
+  words = name.split()
+  return (words[0] == "jit" and words[3] in ("matmul_integer", "qlinear_matmul")
+          and words[4].startswith("rows") and "no-zero-point" not in words[4])
+
+
 @pytest.mark.slow
 def test_xla_keeps_sharding_and_gathers_no_data(cases):
   checked = {name: case for name, case in cases.items()
              if name.startswith("jit") and " pallas " not in name and not _cuts_bytes(name)
-             and not _windowed(name)}
+             and not _windowed(name) and not _appends_to_split_rows(name)}
   assert any("straddling" in name for name in checked)
   assert any("ragged" in name for name in checked)
   assert {name: case["collectives"] for name, case in checked.items()
@@ -115,9 +123,27 @@ def test_inside_shard_map_with_default_options(cases):
 
 @pytest.mark.slow
 def test_packed_rows_cut_by_a_shard_edge_gather(cases):
-  """The one XLA case that moves data: a byte split between two shards."""
+  """An XLA case that moves data: a byte split between two shards."""
   cut = [case for name, case in cases.items() if _cuts_bytes(name)]
   assert cut and all(case["collectives"] and case["equal"] for case in cut)
+
+
+@pytest.mark.slow
+def test_integer_matmul_split_along_rows_moves_a(cases):
+  """a's zero point appends a row of ones to a's rows (rhs's sums over K, docs/numerics.md).
+
+  Concatenated along the split dim, a is moved to a split along K and back to
+  shards of one more row (two all-to-alls of its int8 bytes), and the
+  product's rows to their devices (collective-permutes of int32 rows). Same
+  bits and output sharding; without a zero point nothing moves.
+  """
+  split = {name: case for name, case in cases.items() if _appends_to_split_rows(name)}
+  assert len(split) >= 4 and all(
+      case["equal"] and case["sharding"] and case["collectives"]
+      for case in split.values()), split
+  assert {name: [c for c in case["collectives"]
+                 if not c.startswith(("all-to-all (s8[", "collective-permute s32["))]
+          for name, case in split.items()} == {name: [] for name in split}
 
 
 def _splits_k(name: str) -> bool:
