@@ -493,6 +493,38 @@ def spec_dequantize(x, scale, zero_point, output_dtype):
   return (difference * scale.astype(np.float32)).astype(output_dtype)
 
 
+def _nbits_codes(packed, rows, bits):
+  """Each row's unsigned ``bits``-bit codes, LSB first in each byte (onnxruntime's order)."""
+  data = np.asarray(packed, np.uint8).reshape(rows, -1)
+  codes = (data[:, :, None] >> np.arange(0, 8, bits, dtype=np.uint8)) & (2**bits - 1)
+  return codes.reshape(rows, -1)
+
+
+def spec_nbits_weight(b, scales, zero_points, *, k, n, bits, block_size):
+  """MatMulNBits' ``(N, K)`` float32 weight ``(q - z) * s``, per block of K (docs/numerics.md);
+  absent zero points are ``2**(bits - 1)``, packed ones codes like b's, float ones as given."""
+  blocks = -(-k // block_size)
+  if zero_points is None:
+    zero = np.full((n, blocks), 2 ** (bits - 1), np.float32)
+  elif np.issubdtype(np.asarray(zero_points).dtype, np.floating):
+    zero = np.asarray(zero_points, np.float32).reshape(n, blocks)
+  else:
+    zero = _nbits_codes(zero_points, n, bits)[:, :blocks].astype(np.float32)
+  block = np.arange(k) // block_size
+  codes = _nbits_codes(b, n, bits)[:, :k].astype(np.float32)
+  scale = np.asarray(scales, np.float32).reshape(n, blocks)
+  return (codes - zero[:, block]) * scale[:, block]
+
+
+def summation_bound(a, weight, bias=None) -> np.ndarray:
+  """How far two float32 evaluations of ``a @ weight.T + bias`` summed in different orders
+  may differ: each rounds K products and sums, so 4 K eps of the terms' magnitudes."""
+  magnitude = np.abs(a) @ np.abs(weight).T
+  if bias is not None:
+    magnitude = magnitude + np.abs(bias)
+  return 4 * weight.shape[1] * np.finfo(np.float32).eps * magnitude
+
+
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:
   """Runs ``program`` in a fresh interpreter with ``count`` simulated CPU devices.
 

@@ -6,8 +6,9 @@ neighbours, NaN, +-inf, +-0 and dtype extremes) and calls the op four ways:
 directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
-implementation. The integer matmuls are also held to an oracle: int64 NumPy
-for ``quantized_dot_general``, ONNX's formula for ``qlinear_matmul``. The
+implementation. The matmuls are also held to an oracle: int64 NumPy for
+``quantized_dot_general``, ONNX's formula for ``qlinear_matmul``, and
+onnxruntime to float32 summation error for ``matmul_nbits``. The
 ``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
@@ -27,16 +28,20 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from onnx_oracle import run_onnxruntime
 from quant_testing import assert_bits_equal
 from quant_testing import bit_width
 from quant_testing import expand_scale
 from quant_testing import FLOAT4
 from quant_testing import FLOAT8_DTYPES
 from quant_testing import FLOAT_DTYPES
+from quant_testing import given_per_implementation
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import INT32
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
+from quant_testing import spec_nbits_weight
 from quant_testing import spec_quantize
+from quant_testing import summation_bound
 from quant_testing import wrap_int32
 
 # Every example compiles its op four ways: the whole suite is slow.
@@ -415,3 +420,86 @@ def test_qlinear_matmul(data, seed):
   value = accumulator.astype(np.float32) * multiplier
   expected = spec_quantize(value.astype(np.float64), np.float64(y_zero_point), y_dtype)
   assert_bits_equal(op(*operands[0]), expected, "against ONNX's formula")
+
+
+def _nbits_activations(rng, shape):
+  """Normals over many magnitudes, +-0 and large values whose products stay finite.
+
+  No tiny ones: XLA:CPU flushes float32 subnormals (J1), onnxruntime need not, and
+  the summation bound has no absolute term. No NaN or inf: matmul_nbits' docs give
+  them no meaning beyond IEEE arithmetic in some order.
+  """
+  x = rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 9, shape)
+  specials = np.array([0.0, -0.0, 1e30, -1e30, 2.0**60, 65504.0, -3e9])
+  return np.where(rng.random(shape) < 0.15, rng.choice(specials, shape), x).astype(np.float32)
+
+
+def _nbits_inputs(rng, a_shape, *, k, n, bits, block_size, zero_points, bias):
+  """MatMulNBits' inputs: random bytes (a ragged last block's padding codes too), scales
+  over 2^-10..2^4, zero points absent, packed or float (a little outside the codes)."""
+  blocks = -(-k // block_size)
+  inputs = {
+      "a": _nbits_activations(rng, a_shape),
+      "b": rng.integers(0, 256, (n, blocks, block_size * bits // 8)).astype(np.uint8),
+      "scales": np.exp2(rng.uniform(-10, 4, (n, blocks))).astype(np.float32),
+  }
+  if zero_points == "packed":
+    inputs["zero_points"] = rng.integers(0, 256, (n, -(-blocks * bits // 8))).astype(np.uint8)
+  elif zero_points == "float":
+    inputs["zero_points"] = rng.uniform(-1, 2**bits, (n, blocks)).astype(np.float32)
+  if bias:
+    inputs["bias"] = (rng.standard_normal(n) * 2.0 ** rng.integers(-4, 20, n)).astype(np.float32)
+  return inputs
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@given_per_implementation(0.25, 0.1, data=st.data(), seed=st.integers(0, 2**31))
+def test_matmul_nbits(implementation, data, seed):
+  """2/4/8 bits, ragged last blocks, batches (empty ones too), every zero-point kind:
+  onnxruntime to float32 summation error, and the pallas kernel gives the XLA path's bits."""
+  bits = data.draw(st.sampled_from([4, 2, 8]), label="bits")
+  block_size = data.draw(st.sampled_from([16, 32, 64, 128, 256]), label="block size")
+  k = data.draw(st.one_of(st.integers(1, 3), st.integers(1, 3).map(lambda j: j * block_size),
+                          st.integers(1, 3 * block_size)), label="k")
+  n = data.draw(st.integers(1, 24), label="n")
+  # 0 last: hypothesis draws its simplest value most, and an empty batch computes nothing.
+  batch = data.draw(st.lists(st.sampled_from([2, 1, 3, 0]), max_size=2), label="batch")
+  zero_points = data.draw(st.sampled_from(["packed", None, "float"]), label="zero points")
+  bias = data.draw(st.booleans(), label="bias")
+  nbits = dict(k=k, n=n, bits=bits, block_size=block_size)
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  inputs = [_nbits_inputs(rng, (*batch, k), zero_points=zero_points, bias=bias, **nbits)
+            for rng in rngs]
+  names = tuple(inputs[0])
+
+  def op(*values, implementation=implementation):
+    return jq.matmul_nbits(**dict(zip(names, values)), K=k, N=n, bits=bits,
+                           block_size=block_size, implementation=implementation)
+
+  values = tuple(inputs[0].values())
+  _four_ways(op, values, tuple(inputs[1].values()))
+  got = np.asarray(op(*values))
+  if implementation == "pallas":
+    assert_bits_equal(got, op(*values, implementation="xla"), "pallas against xla")
+  if bits == 8 and zero_points == "float":
+    return  # M3: onnxruntime refuses 8-bit weights with float zero points
+  given = inputs[0]
+  expected = run_onnxruntime(
+      "MatMulNBits", {"A": given["a"], "B": given["b"], "scales": given["scales"],
+                      "zero_points": given.get("zero_points"), "g_idx": None,
+                      "bias": given.get("bias")},
+      np.float32, domain="com.microsoft", K=k, N=n, bits=bits, block_size=block_size)
+  assert got.shape == expected.shape
+  weight = spec_nbits_weight(given["b"], given["scales"], given.get("zero_points"), **nbits)
+  bound = summation_bound(given["a"], weight, given.get("bias"))
+  if zero_points == "float":
+    # onnxruntime 1.32.0 dequantizes with float zero points as q * s - z * s, each product
+    # rounded before they cancel, not as (q - z) * s: the two weights' difference, times
+    # |a|, adds to the bound.
+    zero = np.zeros_like(given["zero_points"])
+    codes_times_scales = spec_nbits_weight(given["b"], given["scales"], zero, **nbits)
+    steps = np.arange(k) // block_size
+    deviating = codes_times_scales - (given["zero_points"] * given["scales"])[:, steps]
+    bound = bound + np.abs(given["a"]) @ np.abs(weight - deviating).T
+  excess = np.abs(got - expected) - bound
+  assert np.all(excess <= 0), f"onnxruntime differs by up to {np.max(excess)} past the bound"

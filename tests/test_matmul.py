@@ -15,6 +15,8 @@ import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
 from quant_testing import entry_work
+from quant_testing import spec_nbits_weight
+from quant_testing import summation_bound
 from quant_testing import wrap_int32
 
 _DIMS = (((1,), (0,)), ((), ()))
@@ -542,12 +544,8 @@ def test_matmul_nbits_matches_onnxruntime(bits, k, n, block_size, zero_points):
   got = jq.matmul_nbits(a, b, scales, zero_points, bias, K=k, N=n, bits=bits,
                         block_size=block_size)
   # Summation order differs: float32 rounding of K products, relative to their magnitudes.
-  bound = 4 * k * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(
-      np.asarray(jq._matmul.nbits_weight(
-          *jq._matmul.nbits_inputs(b, scales, zero_points, K=k, N=n, bits=bits,
-                                   block_size=block_size),
-          K=k, bits=bits, block_size=block_size))).T + np.abs(bias))
-  assert np.all(np.abs(got - expected) <= bound)
+  weight = spec_nbits_weight(b, scales, zero_points, k=k, n=n, bits=bits, block_size=block_size)
+  assert np.all(np.abs(got - expected) <= summation_bound(a, weight, bias))
 
 
 @pytest.mark.parametrize("m, k, n, block_size", [
