@@ -32,17 +32,8 @@ def _add_formula(
   to_float = functools.partial(_numerics.dequantize_formula, output_dtype=jnp.float32)
   a_value = to_float(a, a_scale, a_zero_point, info=a_info)
   b_value = to_float(b, b_scale, b_zero_point, info=b_info)
-  # XLA:CPU's code generator contracts a product feeding an add into one FMA,
-  # which rounds once where the formula rounds each product first (a tie
-  # then breaks the other way). LLVM fuses only an addend that is a product,
-  # so the sum is taken as the larger plus the smaller of the two: the same
-  # float (addition commutes; a NaN in either stays in the sum, and the sign
-  # of a zero sum, which may differ, rounds to the same integer), and the
-  # addends are selects. Their conditions differ (> and >=, equal where the
-  # products are), or LLVM folds the mirrored pair back into a + b.
-  larger = jnp.where(a_value > b_value, a_value, b_value)
-  smaller = jnp.where(a_value >= b_value, b_value, a_value)
-  total = larger + smaller
+  # The sign of a zero sum rounds to the same integer.
+  total = _numerics.rounded_sum(a_value, b_value, signed_zero=False)
   return _numerics.quantize_formula(
       total, out_scale, out_zero_point,
       info=out_info, precision=np.dtype(np.float32), saturate=True,

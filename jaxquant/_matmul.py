@@ -938,7 +938,10 @@ def _nbits_kernel(a, packed, scales, zero_points, *, K, bits, block_size):
   )
   del K  # a's last dim
   # a as it is, not its rows merged: under jax.jit the kernel is partitioned
-  # along each of a's leading dims as a is sharded.
+  # along each of a's leading dims as a is sharded. Behind a barrier, closed-over
+  # operands are not folded: XLA's evaluator would sum interpret mode's dot in
+  # another order than the compiled dot.
+  a, packed, scales, zero_points = lax.optimization_barrier((a, packed, scales, zero_points))
   return pallas_kernels.dequantize_matmul(
       a.astype(jnp.float32), packed, scales, zero_points,
       formula=formula, block_size=block_size, bits=bits,
@@ -1030,5 +1033,6 @@ def matmul_nbits(
   if bias is not None:
     bias = jnp.asarray(bias)
     _validate.check(bias.shape == (N,), "bias.shape", f"({N},)", bias.shape)
-    y = y + bias.astype(jnp.float32)
+    # With K = 1 XLA makes the dot a product, which an FMA would absorb.
+    y = _numerics.rounded_sum(y, bias.astype(jnp.float32))
   return y.astype(a.dtype)

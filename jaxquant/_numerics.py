@@ -320,6 +320,29 @@ def _unsigned_like(dtype: Any) -> np.dtype:
   return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
+def rounded_sum(a: jax.Array, b: jax.Array, *, signed_zero: bool = True) -> jax.Array:
+  """``a + b`` with each addend rounded as it is: no product among them fused into an FMA.
+
+  XLA:CPU's code generator contracts a product feeding an add into one fused
+  multiply-add, which rounds once where the formula rounds the product first
+  (J6 in docs/numerics.md). LLVM fuses only an addend that is a product, so
+  the sum is taken as the larger plus the smaller of the two, each a select:
+  the same float (addition commutes; a NaN in either stays in the sum). The
+  selects' conditions differ (``>`` and ``>=``, equal where ``a == b``), or
+  LLVM folds the mirrored pair back into ``a + b``; so at ``a == b`` both
+  addends are ``b``, which is ``a + b`` but for ``a = +0, b = -0``: the sum
+  is -0. With ``signed_zero`` a zero sum takes IEEE's sign (-0 only from two
+  -0s); without, it is left, for a caller that rounds it to an integer.
+  """
+  larger = jnp.where(a > b, a, b)
+  smaller = jnp.where(a >= b, b, a)
+  total = larger + smaller
+  if signed_zero:
+    zero = jnp.where(jnp.signbit(a) & jnp.signbit(b), -0.0, 0.0).astype(total.dtype)
+    total = jnp.where(total == 0, zero, total)
+  return total
+
+
 def opaque_zero(dtype: Any) -> jax.Array:
   """A scalar zero that XLA's simplifier and constant folding cannot see.
 

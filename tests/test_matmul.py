@@ -14,6 +14,7 @@ from jaxquant import _matmul
 import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
+from quant_testing import assert_bits_equal
 from quant_testing import entry_work
 from quant_testing import spec_nbits_weight
 from quant_testing import summation_bound
@@ -598,8 +599,28 @@ def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
                            block_size=block_size, implementation=implementation)
 
   np.testing.assert_array_equal(call(a, "pallas"), call(a, "xla"))
+  # Closed over, interpret mode's dot could be folded by XLA's evaluator (another order).
+  np.testing.assert_array_equal(jax.jit(lambda: call(jnp.asarray(a), "pallas"))(), call(a, "xla"))
   grad = lambda implementation: jax.grad(lambda a: jnp.sum(call(a, implementation) ** 2))(a)
   np.testing.assert_array_equal(grad("pallas"), grad("xla"))
+
+
+def test_matmul_nbits_bias_is_added_to_the_rounded_product():
+  """K = 1: XLA makes the dot a multiply, which XLA:CPU would fuse with the bias add
+  into one FMA (one rounding); the product is rounded, then the bias added (J6)."""
+  rng = np.random.default_rng(11)
+  n, m = 64, 64
+  b = rng.integers(0, 256, (n, 1, 16)).astype(np.uint8)
+  scales = rng.uniform(0.5, 3, (n, 1)).astype(np.float32)
+  a = (rng.standard_normal((m, 1)) * 30).astype(np.float32)
+  bias = (rng.standard_normal(n) * 1000).astype(np.float32)
+  weight = (b[:, 0, :1].astype(np.float32) - 128) * scales
+  expected = (a @ weight.T).astype(np.float32) + bias
+  call = lambda a, bias: jq.matmul_nbits(a, b, scales, None, bias, K=1, N=n, bits=8,
+                                         block_size=16)
+  assert_bits_equal(call(a, bias), expected)
+  assert_bits_equal(jax.jit(call)(a, bias), expected)
+  assert_bits_equal(jax.jit(lambda a: call(a, bias))(a), expected)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
