@@ -7,8 +7,8 @@ directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
 implementation. The matmuls are also held to an oracle: int64 NumPy for
-``quantized_dot_general``, ONNX's formula for ``qlinear_matmul``, and
-onnxruntime to float32 summation error for ``matmul_nbits``. The
+``quantized_dot_general`` and ``dot_general_dynamic_int8``, ONNX's formula for
+``qlinear_matmul``, and onnxruntime to float32 summation error for ``matmul_nbits``. The
 ``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
@@ -519,3 +519,105 @@ def test_matmul_nbits(implementation, data, seed):
     bound = bound + np.abs(given["a"]) @ np.abs(weight - deviating).T
   excess = np.abs(got - expected) - bound
   assert np.all(excess <= 0), f"onnxruntime differs by up to {np.max(excess)} past the bound"
+
+
+# dot_general drop-ins' layouts, each with its operands made from canonical (batch, m, k) and
+# (batch, k, n) arrays and a product in the canonical (batch, m, n) layout, whatever the
+# dimension numbers: (lhs has a batch dim, rhs has it, transposed, dimension numbers).
+DROP_IN_LAYOUTS = {
+    "dense": (False, False, False, (((1,), (0,)), ((), ()))),
+    "einsum": (True, False, False, (((2,), (0,)), ((), ()))),
+    "batched": (True, True, False, (((2,), (1,)), ((0,), (0,)))),
+    "contracting first": (False, False, True, (((0,), (1,)), ((), ()))),
+}
+SYMMETRIC_DTYPES = tuple(np.dtype(d) for d in (jnp.int8, jnp.int4, jnp.int2))
+
+
+def _dynamic_activations(rng, shape, dtype, qmax):
+  """Rows (along the last dim) scaled by powers of two, most holding +-qmax times it, so
+  that the scale is the power of two and the other values land on ties, integers, their
+  float neighbours, zeros; some rows all zero, some NaN, inf and huge values."""
+  step = np.exp2(rng.integers(-20, 20, (*shape[:-1], 1))).astype(np.float32)
+  j = rng.integers(-qmax, qmax, shape)
+  ties = ((j + 0.5) * step).astype(np.float32)
+  x = np.choose(rng.integers(0, 5, shape), [
+      ties, j * step, np.nextafter(ties, np.float32(np.inf)), rng.normal(0, qmax, shape) * step,
+      np.zeros(shape)]).astype(np.float32)
+  if shape[-1]:
+    planted = rng.integers(0, shape[-1], shape[:-1])[..., None] == np.arange(shape[-1])
+    sign = rng.choice(np.float32([-1, 1]), (*shape[:-1], 1))
+    x = np.where(planted & (rng.random((*shape[:-1], 1)) < 0.8), sign * qmax * step, x)
+  x = np.where(rng.random((*shape[:-1], 1)) < 0.1, 0.0, x)
+  specials = np.float32([np.nan, np.inf, -np.inf, 3e38, -1e30, -0.0])
+  x = np.where(rng.random(shape) < 0.005, rng.choice(specials, shape), x)
+  return x.astype(dtype)
+
+
+def _symmetric_oracle(x, reduced_axis, dtype):
+  """x's symmetric values and scale as documented: ``max|x| / qmax`` over the reduced dim
+  (NaN ignored, 1 where all zero), then :func:`quantize_linear`."""
+  magnitude = np.abs(x.astype(np.float32))
+  magnitude = np.max(np.where(np.isnan(magnitude), 0, magnitude), axis=reduced_axis,
+                     keepdims=True, initial=0)
+  qmax = np.float32(jnp.iinfo(dtype).max)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    scale = np.where(magnitude == 0, np.float32(1), magnitude / qmax).astype(np.float32)
+  values = jq.quantize_linear(x, scale, axis=None, output_dtype=dtype)
+  return np.asarray(values, np.int64), scale
+
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_dot_general_dynamic_int8(data, seed):
+  """int8/4/2 activations and weights, float or stored (packed or not, per tensor or per
+  output feature or batch), deep K, many rows: int64 arithmetic then the float32 epilogue."""
+  name = data.draw(st.sampled_from(list(DROP_IN_LAYOUTS)), label="layout")
+  lhs_batched, rhs_batched, transposed, numbers = DROP_IN_LAYOUTS[name]
+  lhs_dtype, rhs_dtype = (data.draw(st.sampled_from(SYMMETRIC_DTYPES), label=f"{side} dtype")
+                          for side in ("lhs", "rhs"))
+  x_dtype = data.draw(st.sampled_from([np.float32, np.dtype(jnp.bfloat16)]), label="x dtype")
+  # 4100 = 4 x 1025: XLA:CPU's int8 dot in slices; 300 rows: its bfloat16 dot (test above).
+  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
+  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
+  n = data.draw(st.sampled_from([1, 3, 8]), label="n")
+  batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
+  rhs_batch = batch if rhs_batched else ()
+  stored = data.draw(st.booleans(), label="stored weights")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  lhs_qmax = int(jnp.iinfo(lhs_dtype).max)
+  lhses = [_dynamic_activations(rng, (*batch, m, k), x_dtype, lhs_qmax) for rng in rngs]
+  weight = rngs[0].normal(0, 0.1, (*rhs_batch, k, n)).astype(np.float32)
+  weight = np.where(rngs[0].random(weight.shape) < 0.1, 0.0, weight).astype(np.float32)
+
+  def laid_out(x):
+    return np.swapaxes(x, -1, -2) if transposed else x
+
+  rhs = laid_out(weight)
+  if stored:
+    axes = [rhs.ndim - 2 if transposed else rhs.ndim - 1] + list(range(len(rhs_batch)))
+    axis = data.draw(st.sampled_from([None, *axes]), label="weight axis")
+    packed = data.draw(st.booleans(), label="packed") if rhs_dtype.itemsize < 1 else False
+    rhs = jq.quantize_params(rhs, jq.QuantizationRule(dtype=rhs_dtype, axis=axis,
+                                                      packed=packed))
+  op = functools.partial(jq.dot_general_dynamic_int8, rhs=rhs, dimension_numbers=numbers,
+                         lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
+  _four_ways(lambda x: op(laid_out(x)), (lhses[0],), (lhses[1],))
+
+  lhs_values, lhs_scale = _symmetric_oracle(lhses[0], -1, lhs_dtype)
+  if stored:
+    scale = np.asarray(rhs.scale)
+    if rhs.axis is None:
+      weight_scale = scale.reshape(())
+    else:
+      weight_scale = laid_out(
+          scale.reshape([n if d == rhs.axis else 1 for d, n in enumerate(rhs.shape)]))
+    # The stored integers, read back through the public dequantize: q * s / s rounds to q.
+    weight_values = np.rint(laid_out(np.asarray(rhs.dequantize())) / weight_scale)
+    weight_values = weight_values.astype(np.int64)
+  else:
+    weight_values, weight_scale = _symmetric_oracle(weight, -2, rhs_dtype)
+  accumulator = np.matmul(lhs_values, weight_values)
+  with np.errstate(over="ignore", invalid="ignore"):  # an inf scale: inf and NaN, as documented
+    expected = accumulator.astype(np.float32) * (lhs_scale * weight_scale)
+  assert_bits_equal(op(laid_out(lhses[0])), expected, "against int64 arithmetic")
+
