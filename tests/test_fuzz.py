@@ -6,9 +6,12 @@ neighbours, NaN, +-inf, +-0 and dtype extremes) and calls the op four ways:
 directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
-implementation. The matmuls are also held to an oracle: int64 NumPy for
+implementation, but where a float dot's summation order is XLA's choice per program
+(``matmul_nbits`` under vmap, the weight-only drop-in): there, to float32 summation error
+(docs/numerics.md). The matmuls are also held to an oracle: int64 NumPy for
 ``quantized_dot_general`` and ``dot_general_dynamic_int8``, ONNX's formula for
-``qlinear_matmul``, and onnxruntime to float32 summation error for ``matmul_nbits``. The
+``qlinear_matmul``, onnxruntime to float32 summation error for ``matmul_nbits``, and the
+dequantized weight's dot for ``dot_general_weight_only``. The
 ``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
@@ -491,7 +494,7 @@ def test_matmul_nbits(implementation, data, seed):
   def within_summation_error(expected, actual, how):
     # vmap batches the weight too: a batched dot, which XLA:CPU may sum in another
     # order than the matrix-vector or matrix product of one call (docs/numerics.md).
-    bound = bounds[0 if how == "vmap, first" else 1]
+    bound = bounds[1 if how == "vmap, second" else 0]
     assert np.all(np.abs(np.asarray(actual) - np.asarray(expected)) <= bound), how
 
   _four_ways(op, values, tuple(inputs[1].values()), same_mapped=within_summation_error)
@@ -621,3 +624,73 @@ def test_dot_general_dynamic_int8(data, seed):
     expected = accumulator.astype(np.float32) * (lhs_scale * weight_scale)
   assert_bits_equal(op(laid_out(lhses[0])), expected, "against int64 arithmetic")
 
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_dot_general_weight_only(data, seed):
+  """int8/4/2 and float8 weights per output feature or in ragged blocks along K, float or
+  stored (packed or not): bit for bit the float dot of the weight :func:`quantize_params`
+  stores, each on its own; jitted, closed over or vmapped, to float32 summation error."""
+  name = data.draw(st.sampled_from(list(DROP_IN_LAYOUTS)), label="layout")
+  lhs_batched, rhs_batched, transposed, numbers = DROP_IN_LAYOUTS[name]
+  dtype = data.draw(st.sampled_from(SYMMETRIC_DTYPES + (np.dtype(jnp.float8_e4m3fn),)),
+                    label="dtype")
+  # minmax (a zero point) is for integer dtypes only.
+  methods = ["absmax", "minmax"] if dtype in SYMMETRIC_DTYPES else ["absmax"]
+  method = data.draw(st.sampled_from(methods), label="method")
+  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
+  block_size = data.draw(st.sampled_from([0, 16, 32]), label="block size")
+  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
+  n = data.draw(st.sampled_from([1, 3, 8]), label="n")
+  batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
+  rhs_batch = batch if rhs_batched else ()
+  stored = data.draw(st.booleans(), label="stored weights")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  lhses = [_nbits_activations(rng, (*batch, m, k)) for rng in rngs]
+  weight = rngs[0].normal(0, 0.1, (*rhs_batch, k, n)).astype(np.float32)
+  weight = np.where(rngs[0].random(weight.shape) < 0.1, 0.0, weight).astype(np.float32)
+
+  def laid_out(x):
+    return np.swapaxes(x, -1, -2) if transposed else x
+
+  rhs = laid_out(weight)
+  contracting = numbers[0][1][0]
+  free = rhs.ndim - 2 if transposed else rhs.ndim - 1
+  rule = functools.partial(jq.QuantizationRule, dtype=dtype, method=method)
+  if block_size:
+    rule = rule(axis=contracting, block_size=block_size)
+  elif not stored:
+    # One scale per output feature: per index of all of rhs's dims that are not contracted.
+    rule = rule(axis=1)
+    order = [contracting] + [d for d in range(rhs.ndim) if d != contracting]
+    matrix = jq.quantize_params(np.transpose(rhs, order).reshape(k, -1), rule).dequantize()
+    dequantized = np.transpose(np.reshape(matrix, [rhs.shape[d] for d in order]),
+                               np.argsort(order))
+  else:
+    rule = rule(axis=free)
+  if stored:
+    packed = data.draw(st.booleans(), label="packed") if dtype.itemsize < 1 else False
+    rhs = jq.quantize_params(rhs, dataclasses.replace(rule, packed=packed))
+    dequantized = rhs.dequantize()
+  elif block_size:
+    dequantized = jq.quantize_params(rhs, rule).dequantize()
+  op = functools.partial(jq.dot_general_weight_only, rhs=rhs, dimension_numbers=numbers,
+                         dtype=dtype, block_size=block_size, method=method)
+
+  def within_summation_error(expected, actual, how):
+    # The drop-in is lax.dot_general of the dequantized weight, a float dot whose
+    # summation order XLA:CPU picks per program: how the weight's producer is laid out
+    # for it under jit, evaluated while compiling when every operand is a constant,
+    # batched under vmap (docs/numerics.md).
+    lhs = lhses[1 if how == "vmap, second" else 0]
+    bound = 4 * k * np.finfo(np.float32).eps * np.matmul(np.abs(lhs), np.abs(
+        laid_out(np.asarray(dequantized))))
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))  # inf, NaN
+    assert np.all(same | (np.abs(actual - expected) <= bound)), how
+
+  # lhs laid out before the call: a transpose inside jit may fold into the float dot.
+  lhs, other = (laid_out(x) for x in lhses)
+  _four_ways(op, (lhs,), (other,), same=within_summation_error)
+  expected = jax.lax.dot_general(lhs, dequantized, numbers)
+  assert_bits_equal(op(lhs), expected, "the dequantized weight's dot")
