@@ -569,6 +569,24 @@ def _symmetric_oracle(x, reduced_axis, dtype):
   return np.asarray(values, np.int64), scale
 
 
+def _draw_drop_in_operands(data, seed, lhs_batched, rhs_batched):
+  """A drop-in's dims, whether its weight is stored, two rngs and a float weight (k, n).
+
+  K = 4100 = 4 x 1025 takes XLA:CPU's int8 dot in slices, 300 rows its bfloat16 dot
+  (test_quantized_dot_general); a tenth of the weight is zero.
+  """
+  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
+  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
+  n = data.draw(st.sampled_from([1, 3, 8]), label="n")
+  batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
+  rhs_batch = batch if rhs_batched else ()
+  stored = data.draw(st.booleans(), label="stored weights")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  weight = rngs[0].normal(0, 0.1, (*rhs_batch, k, n)).astype(np.float32)
+  weight = np.where(rngs[0].random(weight.shape) < 0.1, 0.0, weight).astype(np.float32)
+  return k, m, n, batch, rhs_batch, stored, rngs, weight
+
+
 @hypothesis.settings(max_examples=_examples())
 @hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
 def test_dot_general_dynamic_int8(data, seed):
@@ -579,18 +597,10 @@ def test_dot_general_dynamic_int8(data, seed):
   lhs_dtype, rhs_dtype = (data.draw(st.sampled_from(SYMMETRIC_DTYPES), label=f"{side} dtype")
                           for side in ("lhs", "rhs"))
   x_dtype = data.draw(st.sampled_from([np.float32, np.dtype(jnp.bfloat16)]), label="x dtype")
-  # 4100 = 4 x 1025: XLA:CPU's int8 dot in slices; 300 rows: its bfloat16 dot (test above).
-  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
-  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
-  n = data.draw(st.sampled_from([1, 3, 8]), label="n")
-  batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
-  rhs_batch = batch if rhs_batched else ()
-  stored = data.draw(st.booleans(), label="stored weights")
-  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  k, m, n, batch, rhs_batch, stored, rngs, weight = _draw_drop_in_operands(
+      data, seed, lhs_batched, rhs_batched)
   lhs_qmax = int(jnp.iinfo(lhs_dtype).max)
   lhses = [_dynamic_activations(rng, (*batch, m, k), x_dtype, lhs_qmax) for rng in rngs]
-  weight = rngs[0].normal(0, 0.1, (*rhs_batch, k, n)).astype(np.float32)
-  weight = np.where(rngs[0].random(weight.shape) < 0.1, 0.0, weight).astype(np.float32)
 
   def laid_out(x):
     return np.swapaxes(x, -1, -2) if transposed else x
@@ -638,17 +648,10 @@ def test_dot_general_weight_only(data, seed):
   # minmax (a zero point) is for integer dtypes only.
   methods = ["absmax", "minmax"] if dtype in SYMMETRIC_DTYPES else ["absmax"]
   method = data.draw(st.sampled_from(methods), label="method")
-  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
   block_size = data.draw(st.sampled_from([0, 16, 32]), label="block size")
-  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
-  n = data.draw(st.sampled_from([1, 3, 8]), label="n")
-  batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
-  rhs_batch = batch if rhs_batched else ()
-  stored = data.draw(st.booleans(), label="stored weights")
-  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  k, m, n, batch, rhs_batch, stored, rngs, weight = _draw_drop_in_operands(
+      data, seed, lhs_batched, rhs_batched)
   lhses = [_nbits_activations(rng, (*batch, m, k)) for rng in rngs]
-  weight = rngs[0].normal(0, 0.1, (*rhs_batch, k, n)).astype(np.float32)
-  weight = np.where(rngs[0].random(weight.shape) < 0.1, 0.0, weight).astype(np.float32)
 
   def laid_out(x):
     return np.swapaxes(x, -1, -2) if transposed else x
