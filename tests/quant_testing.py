@@ -517,12 +517,13 @@ def spec_nbits_weight(b, scales, zero_points, *, k, n, bits, block_size):
 
 
 def summation_bound(a, weight, bias=None) -> np.ndarray:
-  """How far two float32 evaluations of ``a @ weight.T + bias`` summed in different orders
-  may differ: each rounds K products and sums, so 4 K eps of the terms' magnitudes."""
-  magnitude = np.abs(a) @ np.abs(weight).T
+  """How far two float32 evaluations of ``a @ weight.T + bias`` (weight ``(..., N, K)``, batch
+  dims broadcast) summed in different orders may differ: each rounds K products and sums,
+  so 4 K eps of the terms' magnitudes."""
+  magnitude = np.abs(a) @ np.swapaxes(np.abs(weight), -1, -2)
   if bias is not None:
     magnitude = magnitude + np.abs(bias)
-  return 4 * weight.shape[1] * np.finfo(np.float32).eps * magnitude
+  return 4 * weight.shape[-1] * np.finfo(np.float32).eps * magnitude
 
 
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:

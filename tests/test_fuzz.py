@@ -686,8 +686,7 @@ def test_dot_general_weight_only(data, seed):
     # for it under jit, evaluated while compiling when every operand is a constant,
     # batched under vmap (docs/numerics.md).
     lhs = lhses[1 if how == "vmap, second" else 0]
-    bound = 4 * k * np.finfo(np.float32).eps * np.matmul(np.abs(lhs), np.abs(
-        laid_out(np.asarray(dequantized))))
+    bound = summation_bound(lhs, np.swapaxes(laid_out(np.asarray(dequantized)), -1, -2))
     actual, expected = np.asarray(actual), np.asarray(expected)
     same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))  # inf, NaN
     assert np.all(same | (np.abs(actual - expected) <= bound)), how
