@@ -1,5 +1,6 @@
 """Wall-time measurement shared by the benchmark scripts."""
 
+import random
 import time
 
 import jax
@@ -20,7 +21,13 @@ def interleaved_median_ms(functions, *, repeats, budget_s=None):
   """Median milliseconds of each of ``functions`` (a dict), timed in turn, round after round.
 
   Interleaving puts every peer under the same machine load, so ratios within
-  a run stay meaningful on a shared machine. Each function is called once to
+  a run stay meaningful on a shared machine. Each round calls them in a fresh
+  (seeded) random order, so that each peer follows every other about equally
+  often: a call's time can depend on the call before it (onnxruntime's idle
+  threads spin on after a run; NumPy's large temporaries leave the heap and
+  the caches in another state), and in a fixed order the peer right after
+  onnxruntime or NumPy was measured up to twice as slow as after the others.
+  Each function is called once to
   warm up (compile, allocate); with ``budget_s``, fewer rounds (at least 3)
   are run when ``repeats`` rounds would take longer.
 
@@ -35,8 +42,12 @@ def interleaved_median_ms(functions, *, repeats, budget_s=None):
   if budget_s is not None:
     repeats = max(3, min(repeats, int(budget_s / max(sum(warm.values()), 1e-9))))
   times = {name: [] for name in functions}
+  names = list(functions)
+  order = random.Random(0)
   for _ in range(repeats):
-    for name, function in functions.items():
+    order.shuffle(names)
+    for name in names:
+      function = functions[name]
       start = time.perf_counter()
       jax.block_until_ready(function())
       times[name].append(time.perf_counter() - start)

@@ -19,6 +19,11 @@ same data in one process, and reports medians:
     rounds ties differently: a speed bar only), where it has one;
   * ``numpy`` and ``jnp``: the expression a user writes by hand (jnp jitted;
     neither is bit-exact, both are speed bars);
+  * ``inexact``: for quantize per tensor and quantized add, jaxquant's own
+    element-wise loop without what its bits cost: the quotient formed by
+    multiplying by the reciprocal instead of dividing, the two addends summed
+    with a plain add that XLA may fuse into an FMA (docs/numerics.md, J6).
+    What XLA:CPU reaches when exactness is free: the bar for what bounds a row;
   * ``torch``: PyTorch's fake-quant training step, for the fake-quant rows;
   * ``copy``: NumPy copying, between preallocated buffers, as many bytes as the
     op must move (inputs read once, output written once): the memory floor.
@@ -55,6 +60,8 @@ import ml_dtypes
 import numpy as np
 
 import jaxquant as jq
+from jaxquant import _dtypes
+from jaxquant import _numerics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
@@ -221,6 +228,26 @@ def dequantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
         yield Case("dequantize", layout, f"{types} -> {output}", rows * COLUMNS, moved, peers)
 
 
+def _inexact(quotient, zero_point, dtype):
+  """jaxquant's rounding and saturation of a quotient formed without its division."""
+  info = _dtypes.quantized_dtype("dtype", dtype)
+  return _numerics.round_and_saturate(quotient, zero_point, info)
+
+
+@jax.jit
+def _inexact_quantize(x, scale, zero_point):
+  return _inexact(x * (1 / scale), zero_point, zero_point.dtype)
+
+
+@jax.jit
+def _inexact_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale,
+                 out_zero_point):
+  def value(q, scale, zero_point):
+    return (q.astype(jnp.int32) - zero_point).astype(jnp.float32) * scale
+  total = value(a, a_scale, a_zero_point) + value(b, b_scale, b_zero_point)
+  return _inexact(total * (1 / out_scale), out_zero_point, out_zero_point.dtype)
+
+
 def _node(op, inputs, outputs, **attributes):
   from onnx import helper  # pylint: disable=import-outside-toplevel
   return helper.make_node(op, inputs, outputs, **attributes)
@@ -258,6 +285,9 @@ def quantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
             [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)])
         if ort is not None:
           peers["onnxruntime"] = ort
+        if layout == "per-tensor":
+          peers["inexact"] = functools.partial(
+              _inexact_quantize, x_j, scale_j, zero_point_j)
       repeat = block_size
 
       @jax.jit
@@ -333,6 +363,7 @@ def add_cases(elements, rng, *, pallas, ort_session=_ort_session):
       [("y", TensorProto.INT8)], microsoft=True)
   if ort is not None:
     peers["onnxruntime"] = ort
+  peers["inexact"] = functools.partial(_inexact_add, *arguments)
 
   def by_hand(xp, a, b):
     total = ((a.astype(np.float32) - 1) * np.float32(0.02)
@@ -415,18 +446,20 @@ def markdown(rows):
   """The rows as a markdown table (the README's "Speed" section)."""
   lines = [
       "| op | layout | types | elements | jaxquant ms | GB/s | copy GB/s | of copy "
-      "| onnxruntime ms | vs onnxruntime |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "| onnxruntime ms | vs onnxruntime | inexact vs onnxruntime |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in rows:
     ort = row["median_ms"].get("onnxruntime")
     versus = row["vs_onnxruntime"]
+    inexact = row["median_ms"].get("inexact")
     lines.append(
         f"| {row['op']} | {row['layout']} | {row['types']} | {_size(row['elements'])} "
         f"| {row['median_ms']['jaxquant']:.3f} | {row['gb_per_s']['jaxquant']:.1f} "
         f"| {row['gb_per_s']['copy']:.1f} | {row['of_copy']:.2f} "
         f"| {'-' if ort is None else f'{ort:.3f}'} "
-        f"| {'-' if ort is None else f'{versus:.2f}x'} |")
+        f"| {'-' if ort is None else f'{versus:.2f}x'} "
+        f"| {'-' if ort is None or inexact is None else f'{ort / inexact:.2f}x'} |")
   return "\n".join(lines)
 
 

@@ -54,6 +54,9 @@ def test_suite_writes_json_and_markdown(tmp_path):
   with_onnxruntime = {(row["op"], row["types"]) for row in rows if row["vs_onnxruntime"]}
   assert {("dequantize", "int8 -> float32"), ("quantize", "float32 -> int8"),
           ("dynamic", "float32 -> uint8"), ("add", "int8 + int8 -> int8")} <= with_onnxruntime
+  # The bar exactness is measured against, beside the two targets it explains.
+  with_inexact = {(row["op"], row["types"]) for row in rows if "inexact" in row["median_ms"]}
+  assert with_inexact == {("quantize", "float32 -> int8"), ("add", "int8 + int8 -> int8")}
   table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
   assert len(table) == 1 + len(rows), result.stdout
 
