@@ -9,9 +9,9 @@ arguments closed over as compile-time constants (which XLA folds), and under
 implementation, but where a float dot's summation order is XLA's choice per program
 (``matmul_nbits`` under vmap, the weight-only drop-in): there, to float32 summation error
 (docs/numerics.md). The matmuls are also held to an oracle: int64 NumPy for
-``quantized_dot_general`` and ``dot_general_dynamic_int8``, ONNX's formula for
-``qlinear_matmul``, onnxruntime to float32 summation error for ``matmul_nbits``, and the
-dequantized weight's dot for ``dot_general_weight_only``. The
+``quantized_dot_general``, ``dot_general_dynamic_int8`` and ``dot_general_static_int8``,
+ONNX's formula for ``qlinear_matmul``, onnxruntime to float32 summation error for
+``matmul_nbits``, and the dequantized weight's dot for ``dot_general_weight_only``. The
 ``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
@@ -33,8 +33,10 @@ import pytest
 import jaxquant as jq
 from onnx_oracle import run_onnxruntime
 from quant_testing import assert_bits_equal
+from quant_testing import BF16
 from quant_testing import bit_width
 from quant_testing import expand_scale
+from quant_testing import F32
 from quant_testing import FLOAT4
 from quant_testing import FLOAT8_DTYPES
 from quant_testing import FLOAT_DTYPES
@@ -587,6 +589,37 @@ def _draw_drop_in_operands(data, seed, lhs_batched, rhs_batched):
   return k, m, n, batch, rhs_batch, stored, rngs, weight
 
 
+def _laid_out(x, transposed):
+  """A canonical (..., m, k) or (..., k, n) operand in a DROP_IN_LAYOUTS layout."""
+  return np.swapaxes(x, -1, -2) if transposed else x
+
+
+def _draw_symmetric_weight(data, weight, dtype, *, stored, transposed):
+  """The int8/4/2 drop-ins' rhs made from a canonical (..., k, n) float weight, with its
+  integers (int64, canonical) and scale (broadcasting against them) as the oracle reads them.
+
+  A float weight is quantized as documented: symmetric, ``max|w| / qmax`` per output feature.
+  A stored one is :func:`quantize_params`' of the laid-out weight, per tensor, per output
+  feature or per batch, packed or not; its integers are read back through the public
+  ``dequantize`` (``q * s / s`` rounds to q).
+  """
+  rhs = _laid_out(weight, transposed)
+  if not stored:
+    return (rhs, *_symmetric_oracle(weight, -2, dtype))
+  axes = [rhs.ndim - 2 if transposed else rhs.ndim - 1] + list(range(rhs.ndim - 2))
+  axis = data.draw(st.sampled_from([None, *axes]), label="weight axis")
+  packed = data.draw(st.booleans(), label="packed") if bit_width(dtype) < 8 else False
+  rhs = jq.quantize_params(rhs, jq.QuantizationRule(dtype=dtype, axis=axis, packed=packed))
+  scale = np.asarray(rhs.scale)
+  if rhs.axis is None:
+    weight_scale = scale.reshape(())
+  else:
+    weight_scale = _laid_out(
+        scale.reshape([n if d == rhs.axis else 1 for d, n in enumerate(rhs.shape)]), transposed)
+  weight_values = np.rint(_laid_out(np.asarray(rhs.dequantize()), transposed) / weight_scale)
+  return rhs, weight_values.astype(np.int64), weight_scale
+
+
 @hypothesis.settings(max_examples=_examples())
 @hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
 def test_dot_general_dynamic_int8(data, seed):
@@ -597,42 +630,65 @@ def test_dot_general_dynamic_int8(data, seed):
   lhs_dtype, rhs_dtype = (data.draw(st.sampled_from(SYMMETRIC_DTYPES), label=f"{side} dtype")
                           for side in ("lhs", "rhs"))
   x_dtype = data.draw(st.sampled_from([np.float32, np.dtype(jnp.bfloat16)]), label="x dtype")
-  k, m, n, batch, rhs_batch, stored, rngs, weight = _draw_drop_in_operands(
+  k, m, n, batch, _, stored, rngs, weight = _draw_drop_in_operands(
       data, seed, lhs_batched, rhs_batched)
   lhs_qmax = int(jnp.iinfo(lhs_dtype).max)
   lhses = [_dynamic_activations(rng, (*batch, m, k), x_dtype, lhs_qmax) for rng in rngs]
-
-  def laid_out(x):
-    return np.swapaxes(x, -1, -2) if transposed else x
-
-  rhs = laid_out(weight)
-  if stored:
-    axes = [rhs.ndim - 2 if transposed else rhs.ndim - 1] + list(range(len(rhs_batch)))
-    axis = data.draw(st.sampled_from([None, *axes]), label="weight axis")
-    packed = data.draw(st.booleans(), label="packed") if rhs_dtype.itemsize < 1 else False
-    rhs = jq.quantize_params(rhs, jq.QuantizationRule(dtype=rhs_dtype, axis=axis,
-                                                      packed=packed))
+  laid_out = functools.partial(_laid_out, transposed=transposed)
+  rhs, weight_values, weight_scale = _draw_symmetric_weight(
+      data, weight, rhs_dtype, stored=stored, transposed=transposed)
   op = functools.partial(jq.dot_general_dynamic_int8, rhs=rhs, dimension_numbers=numbers,
                          lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
   _four_ways(lambda x: op(laid_out(x)), (lhses[0],), (lhses[1],))
 
   lhs_values, lhs_scale = _symmetric_oracle(lhses[0], -1, lhs_dtype)
-  if stored:
-    scale = np.asarray(rhs.scale)
-    if rhs.axis is None:
-      weight_scale = scale.reshape(())
-    else:
-      weight_scale = laid_out(
-          scale.reshape([n if d == rhs.axis else 1 for d, n in enumerate(rhs.shape)]))
-    # The stored integers, read back through the public dequantize: q * s / s rounds to q.
-    weight_values = np.rint(laid_out(np.asarray(rhs.dequantize())) / weight_scale)
-    weight_values = weight_values.astype(np.int64)
-  else:
-    weight_values, weight_scale = _symmetric_oracle(weight, -2, rhs_dtype)
   accumulator = np.matmul(lhs_values, weight_values)
   with np.errstate(over="ignore", invalid="ignore"):  # an inf scale: inf and NaN, as documented
     expected = accumulator.astype(np.float32) * (lhs_scale * weight_scale)
   assert_bits_equal(op(laid_out(lhses[0])), expected, "against int64 arithmetic")
+
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_dot_general_static_int8(data, seed):
+  """Activations on ties, their neighbours, past the range, NaN and inf at a drawn per-tensor
+  scale (float32 or bfloat16, shaped () or (1,)) and int8 zero point or none; int8 weights
+  float or stored; deep K, many rows: int64 arithmetic with the zero point subtracted, then
+  ``float32(acc) * (s_in * s_rhs)``. The scale and zero point are traced arguments too."""
+  name = data.draw(st.sampled_from(list(DROP_IN_LAYOUTS)), label="layout")
+  lhs_batched, rhs_batched, transposed, numbers = DROP_IN_LAYOUTS[name]
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  scale_dtype = data.draw(st.sampled_from([F32, BF16]), label="scale dtype")
+  scale_shape = data.draw(st.sampled_from([(), (1,)]), label="scale shape")
+  zero_point = data.draw(st.booleans(), label="zero point")
+  k, m, n, batch, _, stored, rngs, weight = _draw_drop_in_operands(
+      data, seed, lhs_batched, rhs_batched)
+  # Each draw's lhs on its own scale's ties: the vmapped call maps all three arguments.
+  arguments = []
+  for rng in rngs:
+    scale = _scales(rng, scale_shape, scale_dtype)
+    lhs = _float_values(rng, (*batch, m, k), x_dtype, scale.astype(np.float32))
+    zero_points = (_integer_values(rng, scale_shape, np.int8),) if zero_point else ()
+    arguments.append((lhs, scale, *zero_points))
+  laid_out = functools.partial(_laid_out, transposed=transposed)
+  rhs, weight_values, weight_scale = _draw_symmetric_weight(
+      data, weight, np.dtype(np.int8), stored=stored, transposed=transposed)
+
+  def op(x, input_scale, input_zero_point=None):
+    return jq.dot_general_static_int8(laid_out(x), rhs, numbers, input_scale=input_scale,
+                                      input_zero_point=input_zero_point)
+
+  _four_ways(op, arguments[0], arguments[1])
+
+  lhs, scale, *zero_points = arguments[0]
+  values = jq.quantize_linear(lhs, scale, *zero_points, axis=None, output_dtype=np.int8)
+  centred = np.asarray(values, np.int64)
+  if zero_points:
+    centred = centred - np.asarray(zero_points[0], np.int64).reshape(())
+  accumulator = np.matmul(centred, weight_values)
+  # The scale product in float32 (a bfloat16 scale converts exactly), as documented.
+  expected = accumulator.astype(np.float32) * (scale.astype(np.float32).reshape(()) * weight_scale)
+  assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
 
 
 @hypothesis.settings(max_examples=_examples())
@@ -652,10 +708,7 @@ def test_dot_general_weight_only(data, seed):
   k, m, n, batch, rhs_batch, stored, rngs, weight = _draw_drop_in_operands(
       data, seed, lhs_batched, rhs_batched)
   lhses = [_nbits_activations(rng, (*batch, m, k)) for rng in rngs]
-
-  def laid_out(x):
-    return np.swapaxes(x, -1, -2) if transposed else x
-
+  laid_out = functools.partial(_laid_out, transposed=transposed)
   rhs = laid_out(weight)
   contracting = numbers[0][1][0]
   free = rhs.ndim - 2 if transposed else rhs.ndim - 1
@@ -672,7 +725,7 @@ def test_dot_general_weight_only(data, seed):
   else:
     rule = rule(axis=free)
   if stored:
-    packed = data.draw(st.booleans(), label="packed") if dtype.itemsize < 1 else False
+    packed = data.draw(st.booleans(), label="packed") if bit_width(dtype) < 8 else False
     rhs = jq.quantize_params(rhs, dataclasses.replace(rule, packed=packed))
     dequantized = rhs.dequantize()
   elif block_size:
