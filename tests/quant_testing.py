@@ -516,14 +516,20 @@ def spec_nbits_weight(b, scales, zero_points, *, k, n, bits, block_size):
   return (codes - zero[:, block]) * scale[:, block]
 
 
+def summation_error(magnitude, terms: int) -> np.ndarray:
+  """How far two float32 sums of ``terms`` products, ``magnitude`` the sum of the products'
+  magnitudes, summed in different orders may differ: each rounds the products and the
+  partial sums, so 4 ``terms`` eps of the magnitude."""
+  return 4 * terms * np.finfo(np.float32).eps * magnitude
+
+
 def summation_bound(a, weight, bias=None) -> np.ndarray:
-  """How far two float32 evaluations of ``a @ weight.T + bias`` (weight ``(..., N, K)``, batch
-  dims broadcast) summed in different orders may differ: each rounds K products and sums,
-  so 4 K eps of the terms' magnitudes."""
+  """:func:`summation_error` of ``a @ weight.T + bias`` (weight ``(..., N, K)``, batch dims
+  broadcast): K products, and the bias."""
   magnitude = np.abs(a) @ np.swapaxes(np.abs(weight), -1, -2)
   if bias is not None:
     magnitude = magnitude + np.abs(bias)
-  return 4 * weight.shape[-1] * np.finfo(np.float32).eps * magnitude
+  return summation_error(magnitude, weight.shape[-1])
 
 
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:

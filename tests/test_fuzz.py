@@ -7,12 +7,13 @@ directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
 implementation, but where a float dot's summation order is XLA's choice per program
-(``matmul_nbits`` under vmap, the weight-only drop-in): there, to float32 summation error
-(docs/numerics.md). The matmuls are also held to an oracle: int64 NumPy for
-``quantized_dot_general``, ``dot_general_dynamic_int8`` and ``dot_general_static_int8``,
+(``matmul_nbits`` under vmap, the weight-only and fake-quant drop-ins): there, to float32
+summation error (docs/numerics.md). The matmuls are also held to an oracle: int64 NumPy
+for ``quantized_dot_general``, ``dot_general_dynamic_int8`` and ``dot_general_static_int8``,
 ONNX's formula for ``qlinear_matmul``, onnxruntime to float32 summation error for
-``matmul_nbits``, and the dequantized weight's dot for ``dot_general_weight_only``. The
-``ci`` hypothesis profile runs a few examples per op; run
+``matmul_nbits``, the dequantized weight's dot for ``dot_general_weight_only``, and the
+float dot of ``fake_quantize``'d activations, with its masked straight-through vjp, for
+``dot_general_fake_quant``. The ``ci`` hypothesis profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
 
@@ -35,6 +36,7 @@ from onnx_oracle import run_onnxruntime
 from quant_testing import assert_bits_equal
 from quant_testing import BF16
 from quant_testing import bit_width
+from quant_testing import examples
 from quant_testing import expand_scale
 from quant_testing import F32
 from quant_testing import FLOAT4
@@ -47,6 +49,7 @@ from quant_testing import INTEGER_DTYPES_TO_16_BITS
 from quant_testing import spec_nbits_weight
 from quant_testing import spec_quantize
 from quant_testing import summation_bound
+from quant_testing import summation_error
 from quant_testing import wrap_int32
 
 # Every example compiles its op four ways: the whole suite is slow.
@@ -154,6 +157,25 @@ def _assert_close(expected, actual, how):
   for want, got in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6,
                                err_msg=how)
+
+
+def _within_summation_error(bounds):
+  """A ``_four_ways`` comparison of float dots' results, whose summation order XLA picks per
+  program: each leaf equal (inf and NaN included) or within its bound, ``bounds[0]``'s leaf
+  for the first arguments, ``bounds[1]``'s for the second (``"vmap, second"``). A leaf
+  narrower than float32 (a bfloat16 gradient: a float32 sum rounded once more) may differ
+  by one more of its roundings."""
+  def within(expected, actual, how):
+    for bound, want, got in zip(jax.tree.leaves(bounds[1 if how == "vmap, second" else 0]),
+                                jax.tree.leaves(expected), jax.tree.leaves(actual)):
+      dtype = np.asarray(got).dtype
+      rounding = 0 if dtype == F32 else float(jnp.finfo(dtype).eps)
+      want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+      same = (got == want) | (np.isnan(got) & np.isnan(want))
+      with np.errstate(invalid="ignore"):  # inf - inf: equal infinities are `same`
+        close = np.abs(got - want) <= bound + rounding * np.abs(want)
+      assert np.all(same | close), how
+  return within
 
 
 def _draw_quantize_inputs(data, rng_seed, *, integer_only=False):
@@ -493,13 +515,9 @@ def test_matmul_nbits(implementation, data, seed):
   bounds = [summation_bound(given["a"], weight, given.get("bias"))
             for given, weight in zip(inputs, weights)]
 
-  def within_summation_error(expected, actual, how):
-    # vmap batches the weight too: a batched dot, which XLA:CPU may sum in another
-    # order than the matrix-vector or matrix product of one call (docs/numerics.md).
-    bound = bounds[1 if how == "vmap, second" else 0]
-    assert np.all(np.abs(np.asarray(actual) - np.asarray(expected)) <= bound), how
-
-  _four_ways(op, values, tuple(inputs[1].values()), same_mapped=within_summation_error)
+  # vmap batches the weight too: a batched dot, which XLA:CPU may sum in another
+  # order than the matrix-vector or matrix product of one call (docs/numerics.md).
+  _four_ways(op, values, tuple(inputs[1].values()), same_mapped=_within_summation_error(bounds))
   got = np.asarray(op(*values))
   if implementation == "pallas":
     assert_bits_equal(got, op(*values, implementation="xla"), "pallas against xla")
@@ -538,10 +556,11 @@ DROP_IN_LAYOUTS = {
 SYMMETRIC_DTYPES = tuple(np.dtype(d) for d in (jnp.int8, jnp.int4, jnp.int2))
 
 
-def _dynamic_activations(rng, shape, dtype, qmax):
+def _dynamic_activations(rng, shape, dtype, qmax, special_rate=0.005):
   """Rows (along the last dim) scaled by powers of two, most holding +-qmax times it, so
   that the scale is the power of two and the other values land on ties, integers, their
-  float neighbours, zeros; some rows all zero, some NaN, inf and huge values."""
+  float neighbours, zeros; some rows all zero, some values (``special_rate``) NaN, inf
+  and huge."""
   step = np.exp2(rng.integers(-20, 20, (*shape[:-1], 1))).astype(np.float32)
   j = rng.integers(-qmax, qmax, shape)
   ties = ((j + 0.5) * step).astype(np.float32)
@@ -554,7 +573,7 @@ def _dynamic_activations(rng, shape, dtype, qmax):
     x = np.where(planted & (rng.random((*shape[:-1], 1)) < 0.8), sign * qmax * step, x)
   x = np.where(rng.random((*shape[:-1], 1)) < 0.1, 0.0, x)
   specials = np.float32([np.nan, np.inf, -np.inf, 3e38, -1e30, -0.0])
-  x = np.where(rng.random(shape) < 0.005, rng.choice(specials, shape), x)
+  x = np.where(rng.random(shape) < special_rate, rng.choice(specials, shape), x)
   return x.astype(dtype)
 
 
@@ -571,14 +590,15 @@ def _symmetric_oracle(x, reduced_axis, dtype):
   return np.asarray(values, np.int64), scale
 
 
-def _draw_drop_in_operands(data, seed, lhs_batched, rhs_batched):
+def _draw_drop_in_operands(data, seed, lhs_batched, rhs_batched, *, integer=True):
   """A drop-in's dims, whether its weight is stored, two rngs and a float weight (k, n).
 
   K = 4100 = 4 x 1025 takes XLA:CPU's int8 dot in slices, 300 rows its bfloat16 dot
-  (test_quantized_dot_general); a tenth of the weight is zero.
+  (test_quantized_dot_general), where the product is an ``integer`` one; a tenth of the
+  weight is zero.
   """
-  k = data.draw(st.sampled_from([1, 3, 70, 4100]), label="k")
-  m = data.draw(st.sampled_from([1, 2, 5, 300]), label="m")
+  k = data.draw(st.sampled_from([1, 3, 70] + ([4100] if integer else [])), label="k")
+  m = data.draw(st.sampled_from([1, 2, 5] + ([300] if integer else [])), label="m")
   n = data.draw(st.sampled_from([1, 3, 8]), label="n")
   batch = (data.draw(st.integers(1, 2), label="batch"),) if lhs_batched else ()
   rhs_batch = batch if rhs_batched else ()
@@ -691,6 +711,84 @@ def test_dot_general_static_int8(data, seed):
   assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
 
 
+def _with_vjp(contract):
+  """``(lhs, rhs, cotangent) -> (contract(lhs, rhs), d_lhs, d_rhs)``, for _four_ways."""
+  def value_and_vjp(lhs, rhs, cotangent):
+    y, vjp = jax.vjp(contract, lhs, rhs)
+    return (y, *vjp(cotangent))
+  return value_and_vjp
+
+
+def _bilinear_bounds(contract, a, b, cotangent):
+  """:func:`summation_error` of ``contract(a, b)`` and of its vjp's two halves, for any
+  bilinear ``contract`` (a dot, a convolution): each output's magnitude is the contraction
+  of the magnitudes, its count of products that of ones (float64, exact)."""
+  def magnitudes(fill):
+    y, vjp = jax.vjp(contract, *(fill(x).astype(np.float64) for x in (a, b)))
+    return [np.asarray(z) for z in (y, *vjp(fill(cotangent).astype(np.float64)))]
+
+  with jax.enable_x64(True), np.errstate(invalid="ignore", over="ignore"):
+    return tuple(summation_error(magnitude, terms) for magnitude, terms in
+                 zip(magnitudes(np.abs), magnitudes(np.ones_like)))
+
+
+def _with_nan(rng, x):
+  """x with one element NaN, where fake_quantize's straight-through gradient is masked (its
+  value is finite: NaN quantizes to qmin)."""
+  x = x.copy()
+  x.flat[rng.integers(x.size)] = np.nan
+  return x
+
+
+def _fake_quant_oracle(contract, x, reduced, w, cotangent):
+  """``contract(fake_quantize(x), w)`` and its vjp as the fake-quant drop-ins document them,
+  with each one's :func:`_bilinear_bounds`: x fake-quantized to int8 at ``max|x| / 127``
+  over the ``reduced`` dims (NaN ignored), the scale held constant; x's gradient the
+  contraction's, masked by fake_quantize's straight-through rule where ``round(x / s)``
+  leaves int8's range (tested before clamping; NaN is in no range), w's the contraction's."""
+  _, scale = _symmetric_oracle(x, reduced, np.int8)
+  fake = jq.fake_quantize(x, scale, axis=None, dtype=np.int8)
+  y, d_fake, d_w = (np.asarray(z) for z in _with_vjp(contract)(fake, w, cotangent))
+  with np.errstate(invalid="ignore"):
+    q = np.rint(x.astype(np.float32) / scale)
+  d_x = np.where((q >= -128) & (q <= 127), d_fake, np.zeros_like(d_fake))
+  return (y, d_x, d_w), _bilinear_bounds(contract, np.asarray(fake, np.float32), w, cotangent)
+
+
+# Each example differentiates the op eagerly and vmapped, which compiles each primitive of
+# fake_quantize's derivative on its own for the example's shapes: seconds each.
+@hypothesis.settings(max_examples=examples(0.05, minimum=3))
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_dot_general_fake_quant(data, seed):
+  """float32 or bfloat16 activations as test_dot_general_dynamic_int8 draws them (per-row
+  ties, NaN and inf more often, a NaN in each), float32 weights, a random cotangent: the
+  value and vjp of :func:`_fake_quant_oracle` with ``lax.dot_general``, per row. Bit for bit
+  eagerly; jitted, closed over or vmapped (rhs and the cotangent mapped too), to float32
+  summation error."""
+  name = data.draw(st.sampled_from(list(DROP_IN_LAYOUTS)), label="layout")
+  lhs_batched, rhs_batched, transposed, numbers = DROP_IN_LAYOUTS[name]
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  # A float rhs only: the drop-in takes no stored weight. A float dot: no deep K.
+  k, m, n, batch, _, _, rngs, weight = _draw_drop_in_operands(
+      data, seed, lhs_batched, rhs_batched, integer=False)
+  weights = [weight, rngs[1].normal(0, 0.1, weight.shape).astype(np.float32)]
+  laid_out = functools.partial(_laid_out, transposed=transposed)
+  # NaN and inf more often, and a NaN in every example: there the straight-through
+  # gradient is masked.
+  arguments = [(laid_out(_with_nan(rng, _dynamic_activations(rng, (*batch, m, k), x_dtype, 127,
+                                                             special_rate=0.03))),
+                laid_out(w), rng.standard_normal((*batch, m, n)).astype(np.float32))
+               for rng, w in zip(rngs, weights)]
+  op = _with_vjp(lambda lhs, rhs: jq.dot_general_fake_quant(lhs, rhs, numbers))
+  contract = lambda a, b: jax.lax.dot_general(a, b, numbers)
+  (expected, bounds), (_, other_bounds) = (
+      _fake_quant_oracle(contract, lhs, numbers[0][0], rhs, cotangent)
+      for lhs, rhs, cotangent in arguments)
+  _four_ways(op, arguments[0], arguments[1],
+             same=_within_summation_error([bounds, other_bounds]))
+  _assert_same(expected, op(*arguments[0]), "as documented")
+
+
 @hypothesis.settings(max_examples=_examples())
 @hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
 def test_dot_general_weight_only(data, seed):
@@ -733,19 +831,15 @@ def test_dot_general_weight_only(data, seed):
   op = functools.partial(jq.dot_general_weight_only, rhs=rhs, dimension_numbers=numbers,
                          dtype=dtype, block_size=block_size, method=method)
 
-  def within_summation_error(expected, actual, how):
-    # The drop-in is lax.dot_general of the dequantized weight, a float dot whose
-    # summation order XLA:CPU picks per program: how the weight's producer is laid out
-    # for it under jit, evaluated while compiling when every operand is a constant,
-    # batched under vmap (docs/numerics.md).
-    lhs = lhses[1 if how == "vmap, second" else 0]
-    bound = summation_bound(lhs, np.swapaxes(laid_out(np.asarray(dequantized)), -1, -2))
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))  # inf, NaN
-    assert np.all(same | (np.abs(actual - expected) <= bound)), how
-
+  # The drop-in is lax.dot_general of the dequantized weight, a float dot whose
+  # summation order XLA:CPU picks per program: how the weight's producer is laid out
+  # for it under jit, evaluated while compiling when every operand is a constant,
+  # batched under vmap (docs/numerics.md).
+  bounds = [summation_bound(x, np.swapaxes(laid_out(np.asarray(dequantized)), -1, -2))
+            for x in lhses]
   # lhs laid out before the call: a transpose inside jit may fold into the float dot.
   lhs, other = (laid_out(x) for x in lhses)
-  _four_ways(op, (lhs,), (other,), same=within_summation_error)
+  _four_ways(op, (lhs,), (other,), same=_within_summation_error(bounds))
   expected = jax.lax.dot_general(lhs, dequantized, numbers)
   assert_bits_equal(op(lhs), expected, "the dequantized weight's dot")
+
