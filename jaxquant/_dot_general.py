@@ -508,7 +508,9 @@ def integer_conv_by_taps(
         batch, feature_group_count, channels // feature_group_count), 1
   total = None
   for tap in np.ndindex(*kernel):
-    start = [t * d for t, d in zip(tap, rhs_dilation)]
+    # A window larger than the input gives an empty output, and a tap may then lie past
+    # the input's end: its empty slice starts at the end (lax.slice takes no start past it).
+    start = [min(t * d, n) for t, d, n in zip(tap, rhs_dilation, lhs.shape[2:])]
     window = lax.slice(
         lhs, (0, 0, *start),
         (batch, channels, *[b + (o - 1) * s + 1 if o else b

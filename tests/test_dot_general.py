@@ -420,6 +420,9 @@ def test_export_without_onnx_names_the_extra(monkeypatch):
          numbers=None, lhs_dtype=np.int16),
     dict(shape=(1, 3000, 2), kernel=(2, 3000, 1), strides=(1,), padding="VALID",
          numbers=None, lhs_dtype=np.int16, largest=True),
+    # A dilated window larger than the input: an empty output, a tap past the input's end.
+    dict(shape=(1, 2, 1), kernel=(2, 1, 2), strides=(1,), padding="VALID", numbers=None,
+         rhs_dilation=(2,), feature_group_count=2),
 ], ids=lambda case: f"{case['shape']}x{case['kernel']}")
 def test_integer_conv_on_cuda_is_the_integer_conv(case):
   """CUDA's integer convolution (XLA:GPU lowers none), evaluated here: exact, one dot per tap."""
