@@ -6,14 +6,15 @@ neighbours, NaN, +-inf, +-0 and dtype extremes) and calls the op four ways:
 directly, under ``jax.jit`` with traced arguments, under ``jax.jit`` with the
 arguments closed over as compile-time constants (which XLA folds), and under
 ``jax.vmap`` over two such inputs. All four must agree to the bit, for each
-implementation, but where a float dot's summation order is XLA's choice per program
-(``matmul_nbits`` under vmap, the weight-only and fake-quant drop-ins): there, to float32
-summation error (docs/numerics.md). The matmuls are also held to an oracle: int64 NumPy
-for ``quantized_dot_general``, ``dot_general_dynamic_int8`` and ``dot_general_static_int8``,
-ONNX's formula for ``qlinear_matmul``, onnxruntime to float32 summation error for
-``matmul_nbits``, the dequantized weight's dot for ``dot_general_weight_only``, and the
-float dot of ``fake_quantize``'d activations, with its masked straight-through vjp, for
-``dot_general_fake_quant``. The ``ci`` hypothesis profile runs a few examples per op; run
+implementation, but where a float dot's or convolution's summation order is XLA's choice
+per program (``matmul_nbits`` under vmap, the weight-only and fake-quant drop-ins): there,
+to float32 summation error (docs/numerics.md). The matmuls and convolutions are also held
+to an oracle: int64 NumPy or an int64 convolution for ``quantized_dot_general`` and the
+dynamic and static int8 drop-ins, ONNX's formula for ``qlinear_matmul``, onnxruntime to
+float32 summation error for ``matmul_nbits``, the dequantized weight's dot or convolution
+for the weight-only drop-ins, and the float contraction of ``fake_quantize``'d activations,
+with its masked straight-through vjp, for the fake-quant ones. The ``ci`` hypothesis
+profile runs a few examples per op; run
 ``HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py`` for more.
 """
 
@@ -719,17 +720,22 @@ def _with_vjp(contract):
   return value_and_vjp
 
 
-def _bilinear_bounds(contract, a, b, cotangent):
-  """:func:`summation_error` of ``contract(a, b)`` and of its vjp's two halves, for any
-  bilinear ``contract`` (a dot, a convolution): each output's magnitude is the contraction
-  of the magnitudes, its count of products that of ones (float64, exact)."""
+def _bilinear_bounds(contract, a, b, cotangent=None):
+  """:func:`summation_error` of ``contract(a, b)`` for any bilinear ``contract`` (a dot, a
+  convolution), and with a cotangent, of its vjp's two halves too (a tuple of three): each
+  output's magnitude is the contraction of the magnitudes, its count of products that of
+  ones (float64, exact)."""
   def magnitudes(fill):
-    y, vjp = jax.vjp(contract, *(fill(x).astype(np.float64) for x in (a, b)))
+    operands = [fill(x).astype(np.float64) for x in (a, b)]
+    if cotangent is None:
+      return [np.asarray(contract(*operands))]
+    y, vjp = jax.vjp(contract, *operands)
     return [np.asarray(z) for z in (y, *vjp(fill(cotangent).astype(np.float64)))]
 
   with jax.enable_x64(True), np.errstate(invalid="ignore", over="ignore"):
-    return tuple(summation_error(magnitude, terms) for magnitude, terms in
-                 zip(magnitudes(np.abs), magnitudes(np.ones_like)))
+    bounds = tuple(summation_error(magnitude, terms) for magnitude, terms in
+                   zip(magnitudes(np.abs), magnitudes(np.ones_like)))
+  return bounds if cotangent is not None else bounds[0]
 
 
 def _with_nan(rng, x):
@@ -842,4 +848,172 @@ def test_dot_general_weight_only(data, seed):
   _four_ways(op, (lhs,), (other,), same=_within_summation_error(bounds))
   expected = jax.lax.dot_general(lhs, dequantized, numbers)
   assert_bits_equal(op(lhs), expected, "the dequantized weight's dot")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvLayout:
+  """Two operands' shapes and the rest of ``lax.conv_general_dilated``'s arguments."""
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  # window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+  # feature_group_count, batch_group_count.
+  options: dict[str, Any]
+
+  @property
+  def numbers(self) -> jax.lax.ConvDimensionNumbers:
+    return jax.lax.conv_dimension_numbers(self.lhs_shape, self.rhs_shape,
+                                          self.options["dimension_numbers"])
+
+
+@st.composite
+def _conv_layouts(draw, *, float_conv=False):
+  """1-D and 2-D convolutions in NWC/NCW (NHWC/NCHW) and WIO/OIW (HWIO/OIHW), each operand's
+  and the output's layout drawn on its own; spatial sizes 1 to 5, kernels 1 to 3, strides and
+  both dilations 1 or 2 (lhs dilation with explicit padding only, as lax takes it), padding
+  "SAME", "SAME_LOWER", "VALID" or explicit (negative too, and windows larger than the input:
+  empty outputs), feature or batch groups. For a ``float_conv``, no negative low padding
+  with a positive high one: there XLA:CPU's float32 and bfloat16 convolutions (jax 0.10.2)
+  read past the input, some outputs wrong or garbage, run to run (its integer and float64
+  ones are right)."""
+  spatial = draw(st.sampled_from(["W", "HW"]), label="spatial dims")
+  lhs_spec, out_spec = (draw(st.sampled_from([f"N{spatial}C", f"NC{spatial}"]), label=name)
+                        for name in ("lhs layout", "out layout"))
+  rhs_spec = draw(st.sampled_from([f"{spatial}IO", f"OI{spatial}"]), label="rhs layout")
+  groups = draw(st.sampled_from([1, 2, 3]), label="feature groups")
+  batch_groups = draw(st.sampled_from([1, 2]), label="batch groups") if groups == 1 else 1
+  in_features = draw(st.integers(1, 4), label="input features per group")
+  out_features = draw(st.integers(1, 3), label="output features per group")
+  # Two examples first: per-example scales then differ from a per-tensor one.
+  sizes = {"N": batch_groups * draw(st.sampled_from([2, 1]), label="batch"),
+           "C": groups * in_features, "I": in_features,
+           "O": groups * batch_groups * out_features}
+  spatial_sizes = [draw(st.integers(1, 5), label=f"{d} size") for d in spatial]
+  kernel = [draw(st.integers(1, 3), label=f"{d} kernel") for d in spatial]
+  strides, lhs_dilation, rhs_dilation = (
+      tuple(draw(st.integers(1, 2), label=f"{name} {d}") for d in spatial)
+      for name in ("stride", "lhs dilation", "rhs dilation"))
+  padding = draw(st.sampled_from(["SAME", "VALID", "SAME_LOWER", "explicit"]), label="padding")
+  if padding != "explicit":
+    lhs_dilation = (1,) * len(spatial)  # lax takes no padding name with lhs dilation
+  else:
+    padding = []
+    for n, dilation in zip(spatial_sizes, lhs_dilation):
+      low, high = (draw(st.integers(-1, 2), label=side) for side in ("low", "high"))
+      if float_conv and low < 0 < high:
+        high = 0
+      # No less than nothing left of the dilated input.
+      padding.append((low, high) if (n - 1) * dilation + 1 + low + high >= 0 else (0, 0))
+  shape = lambda spec, spatial_values: tuple(
+      spatial_values[spatial.index(c)] if c in spatial else sizes[c] for c in spec)
+  return ConvLayout(shape(lhs_spec, spatial_sizes), shape(rhs_spec, kernel), dict(
+      window_strides=strides, padding=padding, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, dimension_numbers=(lhs_spec, rhs_spec, out_spec),
+      feature_group_count=groups, batch_group_count=batch_groups))
+
+
+def _conv_kernel(rng, shape, dtype=F32):
+  """A float kernel as _draw_drop_in_operands' weight: normal, a tenth of it zero."""
+  kernel = rng.normal(0, 0.1, shape)
+  return np.where(rng.random(shape) < 0.1, 0, kernel).astype(dtype)
+
+
+def _per_example_activations(rng, shape, dtype, **options):
+  """_dynamic_activations with a row per example (the batch dim, first in every layout drawn,
+  and all the others), half the rows times 0.91362804: a scale off the powers of two, whose
+  product with the kernel's rounds (the values near ties, no longer on them)."""
+  rows = (shape[0], math.prod(shape[1:]))
+  x = _dynamic_activations(rng, rows, np.float32, 127, **options)
+  x = x * rng.choice(np.float32([1, 0.91362804]), (rows[0], 1))
+  return x.astype(dtype).reshape(shape)
+
+
+def _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout, dtype):
+  """The int64 convolution of the integer drop-ins, then ``float32(acc) * (s_lhs * s_rhs)`` in
+  ``dtype``: the lhs scale per tensor or per example, the kernel's per output feature, laid
+  out along the output's batch and feature dims, their product in float32."""
+  with jax.enable_x64(True):
+    accumulator = np.asarray(jax.lax.conv_general_dilated(
+        np.asarray(lhs_values, np.int64), np.asarray(rhs_values, np.int64), **layout.options))
+  batch, feature = layout.numbers.out_spec[:2]
+  along = lambda scale, d: np.asarray(scale, np.float32).reshape(
+      [-1 if e == d else 1 for e in range(accumulator.ndim)])
+  with np.errstate(over="ignore", invalid="ignore"):  # an inf scale: inf and NaN, as documented
+    value = accumulator.astype(np.float32) * (along(lhs_scale, batch) * along(rhs_scale, feature))
+  return value.astype(dtype)
+
+
+# Each example runs the op eagerly and vmapped, which compiles each primitive of its two
+# dynamic scales on its own for the example's shapes: seconds each.
+@hypothesis.settings(max_examples=examples(0.05, minimum=3))
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_conv_general_dilated_dynamic_int8(data, seed):
+  """Any _conv_layouts convolution of float32 or bfloat16 activations on or near ties of
+  their per-example scale (NaN, inf), float32 or bfloat16 kernels, a preferred result dtype or
+  none: the int64 convolution of the integers quantized as documented (``max|x| / 127`` per
+  example, per tensor with batch groups; per output feature for the kernel), then
+  ``float32(acc) * (s_lhs * s_rhs)`` in the result dtype. Bit for bit four ways, the kernel
+  mapped too."""
+  layout = data.draw(_conv_layouts(), label="layout")
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  w_dtype = data.draw(st.sampled_from([F32, BF16]), label="kernel dtype")
+  preferred = data.draw(st.sampled_from([None, F32, BF16]), label="preferred element type")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  operands = [(_per_example_activations(rng, layout.lhs_shape, x_dtype),
+               _conv_kernel(rng, layout.rhs_shape, w_dtype)) for rng in rngs]
+  op = functools.partial(jq.conv_general_dilated_dynamic_int8, preferred_element_type=preferred,
+                         **layout.options)
+  _four_ways(op, operands[0], operands[1])
+
+  lhs, rhs = operands[0]
+  batch, out_feature = layout.numbers.lhs_spec[0], layout.numbers.rhs_spec[0]
+  per_tensor = layout.options["batch_group_count"] > 1
+  lhs_values, lhs_scale = _symmetric_oracle(
+      lhs, tuple(d for d in range(lhs.ndim) if d != batch or per_tensor), np.int8)
+  rhs_values, rhs_scale = _symmetric_oracle(
+      rhs, tuple(d for d in range(rhs.ndim) if d != out_feature), np.int8)
+  expected = _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout,
+                                  preferred or jnp.result_type(lhs.dtype, rhs.dtype))
+  assert_bits_equal(op(lhs, rhs), expected, "against int64 arithmetic")
+
+
+@hypothesis.settings(max_examples=_examples())
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_conv_general_dilated_weight_only(data, seed):
+  """Any _conv_layouts convolution, int8/4/2 and float8 kernels per output feature or in
+  ragged blocks along the input features, absmax or minmax, float or stored (packed or
+  not): bit for bit the float convolution of the kernel :func:`quantize_params` stores, each
+  on its own; jitted, closed over or vmapped, to float32 summation error."""
+  layout = data.draw(_conv_layouts(float_conv=True), label="layout")
+  dtype = data.draw(st.sampled_from(SYMMETRIC_DTYPES + (np.dtype(jnp.float8_e4m3fn),)),
+                    label="dtype")
+  # minmax (a zero point) is for integer dtypes only.
+  methods = ["absmax", "minmax"] if dtype in SYMMETRIC_DTYPES else ["absmax"]
+  method = data.draw(st.sampled_from(methods), label="method")
+  # Blocks of 2 are ragged for 1 or 3 input features per group (1 would give each element
+  # a scale of its own).
+  block_size = data.draw(st.sampled_from([0, 2, 3]), label="block size")
+  stored = data.draw(st.booleans(), label="stored kernel")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  kernel = _conv_kernel(rngs[0], layout.rhs_shape)
+  lhses = [_nbits_activations(rng, layout.lhs_shape) for rng in rngs]
+  # The documented layouts: quantize_params' axis along the kernel's output features, or
+  # blocks along its input features.
+  numbers = layout.numbers
+  axis = numbers.rhs_spec[1] if block_size else numbers.rhs_spec[0]
+  rule = jq.QuantizationRule(dtype=dtype, axis=axis, block_size=block_size, method=method)
+  if stored:
+    packed = data.draw(st.booleans(), label="packed") if bit_width(dtype) < 8 else False
+    rule = dataclasses.replace(rule, packed=packed)
+  quantized = jq.quantize_params(kernel, rule)
+  dequantized = quantized.dequantize()
+  op = functools.partial(jq.conv_general_dilated_weight_only,
+                         rhs=quantized if stored else kernel, dtype=dtype,
+                         block_size=block_size, method=method, **layout.options)
+  # The drop-in is lax.conv_general_dilated of the dequantized kernel, a float
+  # convolution whose summation order XLA:CPU picks per program (docs/numerics.md).
+  contract = functools.partial(jax.lax.conv_general_dilated, **layout.options)
+  bounds = [_bilinear_bounds(contract, lhs, np.asarray(dequantized)) for lhs in lhses]
+  _four_ways(op, (lhses[0],), (lhses[1],), same=_within_summation_error(bounds))
+  expected = contract(lhses[0], dequantized)
+  assert_bits_equal(op(lhses[0]), expected, "the dequantized kernel's convolution")
 
