@@ -1017,3 +1017,79 @@ def test_conv_general_dilated_weight_only(data, seed):
   expected = contract(lhses[0], dequantized)
   assert_bits_equal(op(lhses[0]), expected, "the dequantized kernel's convolution")
 
+
+# As test_conv_general_dilated_dynamic_int8, with one dynamic scale: half the time.
+@hypothesis.settings(max_examples=examples(0.1, minimum=3))
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_conv_general_dilated_static_int8(data, seed):
+  """Any _conv_layouts convolution of activations on ties of a drawn per-tensor scale
+  (float32 or bfloat16, shaped () or (1,)), their neighbours, past the range, NaN and inf,
+  with an int8 zero point or none, float32 kernels: the int64 convolution of the integers
+  less the zero point (so padding is still 0.0) and the kernel's, quantized as documented
+  (``max|w| / 127`` per output feature), then ``float32(acc) * (s_in * s_rhs)``. Bit for bit
+  four ways, the scale and zero point traced too."""
+  layout = data.draw(_conv_layouts(), label="layout")
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  scale_dtype = data.draw(st.sampled_from([F32, BF16]), label="scale dtype")
+  scale_shape = data.draw(st.sampled_from([(), (1,)]), label="scale shape")
+  zero_point = data.draw(st.booleans(), label="zero point")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  kernel = _conv_kernel(rngs[0], layout.rhs_shape)
+  # Each draw's lhs on its own scale's ties: the vmapped call maps all three arguments.
+  arguments = []
+  for rng in rngs:
+    scale = _scales(rng, scale_shape, scale_dtype)
+    lhs = _float_values(rng, layout.lhs_shape, x_dtype, scale.astype(np.float32))
+    zero_points = (_integer_values(rng, scale_shape, np.int8),) if zero_point else ()
+    arguments.append((lhs, scale, *zero_points))
+
+  def op(x, input_scale, input_zero_point=None):
+    return jq.conv_general_dilated_static_int8(
+        x, kernel, input_scale=input_scale, input_zero_point=input_zero_point, **layout.options)
+
+  _four_ways(op, arguments[0], arguments[1])
+
+  lhs, scale, *zero_points = arguments[0]
+  values = np.asarray(
+      jq.quantize_linear(lhs, scale, *zero_points, axis=None, output_dtype=np.int8), np.int64)
+  if zero_points:
+    values = values - np.asarray(zero_points[0], np.int64).reshape(())
+  out_feature = layout.numbers.rhs_spec[0]
+  rhs_values, rhs_scale = _symmetric_oracle(
+      kernel, tuple(d for d in range(kernel.ndim) if d != out_feature), np.int8)
+  expected = _integer_conv_oracle(values, scale, rhs_values, rhs_scale, layout,
+                                  jnp.result_type(lhs.dtype, kernel.dtype))
+  assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
+
+
+# As test_dot_general_fake_quant: seconds per example.
+@hypothesis.settings(max_examples=examples(0.05, minimum=3))
+@hypothesis.given(data=st.data(), seed=st.integers(0, 2**31))
+def test_conv_general_dilated_fake_quant(data, seed):
+  """Any _conv_layouts convolution of float32 or bfloat16 activations on or near ties of
+  their per-example scale (NaN and inf more often, a NaN in each), kernels of their dtype
+  (lax's convolution takes no other), a random cotangent: the value and vjp of
+  :func:`_fake_quant_oracle` with ``lax.conv_general_dilated``, per example (per tensor with
+  batch groups). Bit for bit eagerly; jitted, closed over or vmapped (the kernel and
+  cotangent mapped too), to float32 summation error."""
+  layout = data.draw(_conv_layouts(float_conv=True), label="layout")
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  rngs = [np.random.default_rng(seed + i) for i in range(2)]
+  contract = functools.partial(jax.lax.conv_general_dilated, **layout.options)
+  out_shape = jax.eval_shape(contract, jax.ShapeDtypeStruct(layout.lhs_shape, x_dtype),
+                             jax.ShapeDtypeStruct(layout.rhs_shape, x_dtype)).shape
+  # As test_dot_general_fake_quant's, a NaN in every example.
+  arguments = [(_with_nan(rng, _per_example_activations(rng, layout.lhs_shape, x_dtype,
+                                                        special_rate=0.03)),
+                _conv_kernel(rng, layout.rhs_shape, x_dtype),
+                rng.standard_normal(out_shape).astype(x_dtype)) for rng in rngs]
+  op = _with_vjp(functools.partial(jq.conv_general_dilated_fake_quant, **layout.options))
+  batch = layout.numbers.lhs_spec[0]
+  per_tensor = layout.options["batch_group_count"] > 1
+  reduced = tuple(d for d in range(len(layout.lhs_shape)) if d != batch or per_tensor)
+  (expected, bounds), (_, other_bounds) = (
+      _fake_quant_oracle(contract, lhs, reduced, rhs, cotangent)
+      for lhs, rhs, cotangent in arguments)
+  _four_ways(op, arguments[0], arguments[1],
+             same=_within_summation_error([bounds, other_bounds]))
+  _assert_same(expected, op(*arguments[0]), "as documented")
