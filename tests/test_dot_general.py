@@ -118,6 +118,8 @@ def test_static_int8_errors():
     jq.dot_general_static_int8(X, W, DENSE, input_scale=jnp.ones(2))
   with pytest.raises(TypeError, match="input_zero_point.dtype"):
     jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=jnp.int16(1))
+  with pytest.raises(TypeError, match="input_zero_point.dtype must be int8"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=jnp.uint8(1))
 
 
 def test_fake_quant_value_and_straight_through_gradient():
