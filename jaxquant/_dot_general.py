@@ -650,7 +650,9 @@ def conv_general_dilated_dynamic_int8(
   One symmetric scale per example of ``lhs`` (per tensor when
   ``batch_group_count > 1``) and one per output feature of ``rhs``,
   ``max|x| / 127``; the convolution runs on the integers (zero padding is
-  exact: 0 quantizes to 0) and the result is scaled back in float32. For
+  exact: 0 quantizes to 0) and the int32 result ``acc`` is scaled back in
+  float32 as ``float32(acc) * (s_lhs * s_rhs)``, the two scales multiplied
+  first (as :func:`dot_general_dynamic_int8`). For
   ``nnx.Conv(conv_general_dilated=...)``. Not differentiable; train with
   :func:`conv_general_dilated_fake_quant`.
 
@@ -721,7 +723,8 @@ def conv_general_dilated_static_int8(
   ``lhs`` is quantized with the per-tensor ``input_scale`` and
   ``input_zero_point``; the zero point is subtracted (in int16) before the
   integer convolution, so zero padding still stands for 0.0 and the result
-  is exact up to the final float32 scaling. ``rhs`` is symmetric int8 per
+  is exact up to the final float32 scaling, ``float32(acc) * (s_in * s_rhs)``
+  with ``acc`` the int32 convolution. ``rhs`` is symmetric int8 per
   output feature. Bind the parameters with ``functools.partial``
   (:func:`calibrate` does).
 
