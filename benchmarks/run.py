@@ -228,24 +228,28 @@ def dequantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
         yield Case("dequantize", layout, f"{types} -> {output}", rows * COLUMNS, moved, peers)
 
 
-def _inexact(quotient, zero_point, dtype):
+def _info(quantized):
+  return _dtypes.quantized_dtype("dtype", quantized.dtype)
+
+
+def _inexact(quotient, zero_point):
   """jaxquant's rounding and saturation of a quotient formed without its division."""
-  info = _dtypes.quantized_dtype("dtype", dtype)
-  return _numerics.round_and_saturate(quotient, zero_point, info)
+  return _numerics.round_and_saturate(quotient, zero_point, _info(zero_point))
 
 
 @jax.jit
 def _inexact_quantize(x, scale, zero_point):
-  return _inexact(x * (1 / scale), zero_point, zero_point.dtype)
+  return _inexact(x * (1 / scale), zero_point)
 
 
 @jax.jit
 def _inexact_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale,
                  out_zero_point):
   def value(q, scale, zero_point):
-    return (q.astype(jnp.int32) - zero_point).astype(jnp.float32) * scale
+    return _numerics.dequantize_formula(q, scale, zero_point, info=_info(q),
+                                        output_dtype=jnp.float32)
   total = value(a, a_scale, a_zero_point) + value(b, b_scale, b_zero_point)
-  return _inexact(total * (1 / out_scale), out_zero_point, out_zero_point.dtype)
+  return _inexact(total * (1 / out_scale), out_zero_point)
 
 
 def _node(op, inputs, outputs, **attributes):

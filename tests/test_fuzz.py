@@ -678,19 +678,9 @@ def test_dot_general_static_int8(data, seed):
   ``float32(acc) * (s_in * s_rhs)``. The scale and zero point are traced arguments too."""
   name = data.draw(st.sampled_from(list(DROP_IN_LAYOUTS)), label="layout")
   lhs_batched, rhs_batched, transposed, numbers = DROP_IN_LAYOUTS[name]
-  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
-  scale_dtype = data.draw(st.sampled_from([F32, BF16]), label="scale dtype")
-  scale_shape = data.draw(st.sampled_from([(), (1,)]), label="scale shape")
-  zero_point = data.draw(st.booleans(), label="zero point")
   k, m, n, batch, _, stored, rngs, weight = _draw_drop_in_operands(
       data, seed, lhs_batched, rhs_batched)
-  # Each draw's lhs on its own scale's ties: the vmapped call maps all three arguments.
-  arguments = []
-  for rng in rngs:
-    scale = _scales(rng, scale_shape, scale_dtype)
-    lhs = _float_values(rng, (*batch, m, k), x_dtype, scale.astype(np.float32))
-    zero_points = (_integer_values(rng, scale_shape, np.int8),) if zero_point else ()
-    arguments.append((lhs, scale, *zero_points))
+  arguments = _draw_static_arguments(data, rngs, (*batch, m, k))
   laid_out = functools.partial(_laid_out, transposed=transposed)
   rhs, weight_values, weight_scale = _draw_symmetric_weight(
       data, weight, np.dtype(np.int8), stored=stored, transposed=transposed)
@@ -701,15 +691,39 @@ def test_dot_general_static_int8(data, seed):
 
   _four_ways(op, arguments[0], arguments[1])
 
-  lhs, scale, *zero_points = arguments[0]
+  centred, scale = _static_oracle(*arguments[0])
+  accumulator = np.matmul(centred, weight_values)
+  expected = accumulator.astype(np.float32) * (scale * weight_scale)
+  assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
+
+
+def _draw_static_arguments(data, rngs, lhs_shape):
+  """The static int8 drop-ins' ``(lhs, input_scale[, input_zero_point])`` for each rng: a
+  per-tensor scale (float32 or bfloat16, shaped () or (1,)), an int8 zero point or none, and
+  float32 or bfloat16 activations on that scale's ties, their neighbours, past the range, NaN
+  and inf. Each draw's lhs sits on its own scale's ties: the vmapped call maps all three."""
+  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
+  scale_dtype = data.draw(st.sampled_from([F32, BF16]), label="scale dtype")
+  scale_shape = data.draw(st.sampled_from([(), (1,)]), label="scale shape")
+  zero_point = data.draw(st.booleans(), label="zero point")
+  arguments = []
+  for rng in rngs:
+    scale = _scales(rng, scale_shape, scale_dtype)
+    lhs = _float_values(rng, lhs_shape, x_dtype, scale.astype(np.float32))
+    zero_points = (_integer_values(rng, scale_shape, np.int8),) if zero_point else ()
+    arguments.append((lhs, scale, *zero_points))
+  return arguments
+
+
+def _static_oracle(lhs, scale, *zero_points):
+  """The static int8 drop-ins' activations as documented: ``quantize_linear`` to int8, less
+  the zero point (int64), and the scale as the float32 epilogue multiplies it (a bfloat16
+  scale converts exactly)."""
   values = jq.quantize_linear(lhs, scale, *zero_points, axis=None, output_dtype=np.int8)
   centred = np.asarray(values, np.int64)
   if zero_points:
     centred = centred - np.asarray(zero_points[0], np.int64).reshape(())
-  accumulator = np.matmul(centred, weight_values)
-  # The scale product in float32 (a bfloat16 scale converts exactly), as documented.
-  expected = accumulator.astype(np.float32) * (scale.astype(np.float32).reshape(()) * weight_scale)
-  assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
+  return centred, scale.astype(np.float32).reshape(())
 
 
 def _with_vjp(contract):
@@ -864,6 +878,14 @@ class ConvLayout:
     return jax.lax.conv_dimension_numbers(self.lhs_shape, self.rhs_shape,
                                           self.options["dimension_numbers"])
 
+  @property
+  def lhs_reduced(self) -> tuple[int, ...]:
+    """The lhs dims one dynamic activation scale covers: all but the batch dim (one scale
+    per example), all of them with batch groups (one per tensor)."""
+    batch = self.numbers.lhs_spec[0]
+    per_tensor = self.options["batch_group_count"] > 1
+    return tuple(d for d in range(len(self.lhs_shape)) if d != batch or per_tensor)
+
 
 @st.composite
 def _conv_layouts(draw, *, float_conv=False):
@@ -965,10 +987,8 @@ def test_conv_general_dilated_dynamic_int8(data, seed):
   _four_ways(op, operands[0], operands[1])
 
   lhs, rhs = operands[0]
-  batch, out_feature = layout.numbers.lhs_spec[0], layout.numbers.rhs_spec[0]
-  per_tensor = layout.options["batch_group_count"] > 1
-  lhs_values, lhs_scale = _symmetric_oracle(
-      lhs, tuple(d for d in range(lhs.ndim) if d != batch or per_tensor), np.int8)
+  out_feature = layout.numbers.rhs_spec[0]
+  lhs_values, lhs_scale = _symmetric_oracle(lhs, layout.lhs_reduced, np.int8)
   rhs_values, rhs_scale = _symmetric_oracle(
       rhs, tuple(d for d in range(rhs.ndim) if d != out_feature), np.int8)
   expected = _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout,
@@ -1029,19 +1049,9 @@ def test_conv_general_dilated_static_int8(data, seed):
   (``max|w| / 127`` per output feature), then ``float32(acc) * (s_in * s_rhs)``. Bit for bit
   four ways, the scale and zero point traced too."""
   layout = data.draw(_conv_layouts(), label="layout")
-  x_dtype = data.draw(st.sampled_from([F32, BF16]), label="x dtype")
-  scale_dtype = data.draw(st.sampled_from([F32, BF16]), label="scale dtype")
-  scale_shape = data.draw(st.sampled_from([(), (1,)]), label="scale shape")
-  zero_point = data.draw(st.booleans(), label="zero point")
   rngs = [np.random.default_rng(seed + i) for i in range(2)]
   kernel = _conv_kernel(rngs[0], layout.rhs_shape)
-  # Each draw's lhs on its own scale's ties: the vmapped call maps all three arguments.
-  arguments = []
-  for rng in rngs:
-    scale = _scales(rng, scale_shape, scale_dtype)
-    lhs = _float_values(rng, layout.lhs_shape, x_dtype, scale.astype(np.float32))
-    zero_points = (_integer_values(rng, scale_shape, np.int8),) if zero_point else ()
-    arguments.append((lhs, scale, *zero_points))
+  arguments = _draw_static_arguments(data, rngs, layout.lhs_shape)
 
   def op(x, input_scale, input_zero_point=None):
     return jq.conv_general_dilated_static_int8(
@@ -1049,16 +1059,12 @@ def test_conv_general_dilated_static_int8(data, seed):
 
   _four_ways(op, arguments[0], arguments[1])
 
-  lhs, scale, *zero_points = arguments[0]
-  values = np.asarray(
-      jq.quantize_linear(lhs, scale, *zero_points, axis=None, output_dtype=np.int8), np.int64)
-  if zero_points:
-    values = values - np.asarray(zero_points[0], np.int64).reshape(())
+  values, scale = _static_oracle(*arguments[0])
   out_feature = layout.numbers.rhs_spec[0]
   rhs_values, rhs_scale = _symmetric_oracle(
       kernel, tuple(d for d in range(kernel.ndim) if d != out_feature), np.int8)
   expected = _integer_conv_oracle(values, scale, rhs_values, rhs_scale, layout,
-                                  jnp.result_type(lhs.dtype, kernel.dtype))
+                                  jnp.result_type(arguments[0][0].dtype, kernel.dtype))
   assert_bits_equal(op(*arguments[0]), expected, "against int64 arithmetic")
 
 
@@ -1084,11 +1090,8 @@ def test_conv_general_dilated_fake_quant(data, seed):
                 _conv_kernel(rng, layout.rhs_shape, x_dtype),
                 rng.standard_normal(out_shape).astype(x_dtype)) for rng in rngs]
   op = _with_vjp(functools.partial(jq.conv_general_dilated_fake_quant, **layout.options))
-  batch = layout.numbers.lhs_spec[0]
-  per_tensor = layout.options["batch_group_count"] > 1
-  reduced = tuple(d for d in range(len(layout.lhs_shape)) if d != batch or per_tensor)
   (expected, bounds), (_, other_bounds) = (
-      _fake_quant_oracle(contract, lhs, reduced, rhs, cotangent)
+      _fake_quant_oracle(contract, lhs, layout.lhs_reduced, rhs, cotangent)
       for lhs, rhs, cotangent in arguments)
   _four_ways(op, arguments[0], arguments[1],
              same=_within_summation_error([bounds, other_bounds]))
