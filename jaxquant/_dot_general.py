@@ -59,26 +59,32 @@ def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
   return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
 
-def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8):
+def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
+                   kept: str = "a dim that is not contracted"):
   """rhs as symmetric ``info.dtype`` with a scale of its rank, 1 along the ``reduced`` dims.
 
   A float rhs is quantized here, one scale per index of the other dims; a
   :class:`QuantizedArray` (of ``info.dtype``, no zero point, scale per tensor
   or along a dim that is not reduced; packed values unpacked) is used as it is.
+  ``kept`` names the dims a scale may run along, for the error.
   """
   if not isinstance(rhs, _params.QuantizedArray):
     return _quantize_symmetric(rhs, reduced, info)
+  # quantize_params stores a non-negative axis; one built by hand may count from the end
+  # (dequantize() reads it so): normalized, a reduced dim so counted is not taken for a kept one.
+  axis = None if rhs.axis is None else rhs.axis % max(len(rhs.shape), 1)
   _validate.check(
-      rhs.dtype == info.dtype and rhs.zero_point is None
-      and rhs.block_size == 0 and (rhs.scale.size == 1 or rhs.axis not in reduced),
+      rhs.dtype == info.dtype and rhs.zero_point is None and rhs.block_size == 0
+      and (rhs.scale.size == 1 or (
+          axis is not None and axis not in reduced and rhs.scale.size == rhs.shape[axis])),
       "rhs", f"a float array, or a QuantizedArray of {info.name} without zero point "
-      "scaled per tensor or per index of a dim that is not contracted", repr(rhs),
+      f"scaled per tensor or per index of {kept}", repr(rhs),
       error=TypeError,
   )
   values = _packing.unpacked_values(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
-    shape[rhs.axis] = rhs.shape[rhs.axis]
+    shape[axis] = rhs.shape[axis]
   return values, rhs.scale.reshape(shape)
 
 
@@ -537,9 +543,11 @@ def _value_bound(x: jax.Array) -> int:
 
 
 def _rhs_per_output_feature(rhs, numbers):
+  """The kernel as symmetric int8 and its scale, per output feature (or per tensor)."""
   out_feature = numbers.rhs_spec[0]
   values, scale = _rhs_quantized(
-      rhs, [d for d in range(len(_shape(rhs))) if d != out_feature])
+      rhs, [d for d in range(len(_shape(rhs))) if d != out_feature],
+      kept=f"the kernel's output feature dim ({out_feature})")
   return values, scale.reshape(-1)
 
 
@@ -658,7 +666,12 @@ def conv_general_dilated_dynamic_int8(
 
   Args:
     lhs: float input.
-    rhs: float kernel.
+    rhs: float kernel, or a kernel stored as a :class:`QuantizedArray` of
+      int8 (no zero point, not blocked, scale per tensor or per output
+      feature: :func:`quantize_params` with ``axis=None`` or the kernel's
+      ``O`` dim, ``axis=-1`` for ``HWIO``), used as it is. Per output feature
+      with the default ``method="absmax"`` it holds this op's own codes and
+      scales: the result is the float kernel's, bit for bit.
     window_strides: as ``lax.conv_general_dilated``'s.
     padding: as ``lax.conv_general_dilated``'s.
     lhs_dilation: as ``lax.conv_general_dilated``'s.
@@ -674,7 +687,9 @@ def conv_general_dilated_dynamic_int8(
     The float result, shaped as ``lax.conv_general_dilated``'s.
 
   Raises:
-    TypeError: if an operand is not a float array.
+    TypeError: if an operand is not a float array (or a fitting
+      :class:`QuantizedArray`: not int8, a zero point, blocks, or a scale
+      along another dim of the kernel are refused).
 
   Example:
     >>> import jax.numpy as jnp
@@ -682,6 +697,9 @@ def conv_general_dilated_dynamic_int8(
     >>> x = jnp.array([[[1.0, 2.0, -1.0, 0.5]]])  # NCW
     >>> w = jnp.array([[[1.0, -1.0]]])             # OIW
     >>> jq.conv_general_dilated_dynamic_int8(x, w, (1,), "VALID")  # float: -1, 3, -1.5
+    Array([[[-0.992126,  3.007874, -1.511811]]], dtype=float32)
+    >>> stored = jq.quantize_params(w, jq.QuantizationRule(axis=0))  # OIW: O is dim 0
+    >>> jq.conv_general_dilated_dynamic_int8(x, stored, (1,), "VALID")
     Array([[[-0.992126,  3.007874, -1.511811]]], dtype=float32)
   """
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
@@ -730,7 +748,8 @@ def conv_general_dilated_static_int8(
 
   Args:
     lhs: float input.
-    rhs: float kernel.
+    rhs: float kernel, or an int8 kernel stored as a :class:`QuantizedArray` (as in
+      :func:`conv_general_dilated_dynamic_int8`).
     window_strides: as ``lax.conv_general_dilated``'s.
     padding: as ``lax.conv_general_dilated``'s.
     lhs_dilation: as ``lax.conv_general_dilated``'s.
@@ -748,7 +767,8 @@ def conv_general_dilated_static_int8(
     The float result, shaped as ``lax.conv_general_dilated``'s.
 
   Raises:
-    TypeError: if an operand is not a float array, or for a zero point that is not int8.
+    TypeError: if an operand is not a float array (or a fitting
+      :class:`QuantizedArray`), or for a zero point that is not int8.
     ValueError: if ``input_scale`` has more than one element.
 
   Example:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax import lax
@@ -12,6 +13,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import _dot_general
+from quant_testing import assert_bits_equal
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -211,6 +213,73 @@ def test_conv_fake_quant_and_grouped_dynamic():
   y = jq.conv_general_dilated_dynamic_int8(CONV_X, w, **grouped)
   exact = lax.conv_general_dilated(CONV_X, w, **grouped)
   assert np.abs(y - exact).max() <= 0.03 * np.abs(exact).max()
+
+
+CONV_STATIC = dict(input_scale=np.float32(0.03), input_zero_point=np.int8(20))
+CONV_INT8 = {"dynamic": jq.conv_general_dilated_dynamic_int8,
+             "static": functools.partial(jq.conv_general_dilated_static_int8, **CONV_STATIC)}
+
+
+@pytest.mark.parametrize("drop_in", CONV_INT8)
+def test_conv_int8_take_stored_int8_kernels(drop_in):
+  """An int8 kernel quantize_params stores per output feature (absmax, no zero point) holds the
+  drop-ins' own codes and scales: bit for bit the float kernel's call, HWIO or OIHW, its axis
+  counted from the end too. Per tensor: its codes convolved, its one scale."""
+  # Jitted: one compilation (eagerly, each of the op's primitives compiles on its own).
+  op = lambda x, kernel, **options: jax.jit(functools.partial(CONV_INT8[drop_in], **options))(
+      x, kernel)
+  want = op(CONV_X, CONV_W, **CONV)
+  stored = jq.quantize_params(CONV_W, jq.QuantizationRule(dtype=jnp.int8))  # axis -1: HWIO's O
+  assert stored.axis == 3 and stored.scale.shape == (8,)
+  assert_bits_equal(op(CONV_X, stored, **CONV), want)
+  assert_bits_equal(op(CONV_X, dataclasses.replace(stored, axis=-1), **CONV), want)
+  oihw = jq.quantize_params(np.transpose(CONV_W, (3, 2, 0, 1)), jq.QuantizationRule(axis=0))
+  assert_bits_equal(
+      op(CONV_X, oihw, **dict(CONV, dimension_numbers=("NHWC", "OIHW", "NHWC"))), want)
+
+  per_tensor = jq.quantize_params(CONV_W, jq.QuantizationRule(axis=None))
+  if drop_in == "dynamic":
+    x_q, x_scale = _symmetric(CONV_X, (1, 2, 3))
+    x_scale = x_scale.reshape(3, 1, 1, 1)
+  else:
+    x_q = np.asarray(jq.quantize_linear(CONV_X, *CONV_STATIC.values(), axis=None)).astype(
+        np.int64) - CONV_STATIC["input_zero_point"]
+    x_scale = CONV_STATIC["input_scale"]
+  accumulator = _integer_conv(x_q, per_tensor.values, **CONV)
+  assert_bits_equal(op(CONV_X, per_tensor, **CONV),
+                    accumulator.astype(np.float32) * (x_scale * np.asarray(per_tensor.scale)))
+  # A depthwise kernel has one input feature: a scale along it is one scale, per tensor.
+  depthwise, grouped = CONV_W[:, :, :1, :4], dict(CONV, feature_group_count=4)
+  along_inputs = jq.quantize_params(depthwise, jq.QuantizationRule(axis=-2))
+  assert along_inputs.scale.size == 1
+  assert_bits_equal(
+      op(CONV_X, along_inputs, **grouped),
+      op(CONV_X, jq.quantize_params(depthwise, jq.QuantizationRule(axis=None)), **grouped))
+
+
+@pytest.mark.parametrize("drop_in", CONV_INT8)
+def test_conv_int8_refuse_other_stored_kernels(drop_in):
+  """Another dtype, a zero point, blocks, or a scale along a dim that is not the output
+  features: a TypeError naming rhs, before any convolution (none is silently rescaled)."""
+  op = CONV_INT8[drop_in]
+  rules = [jq.QuantizationRule(axis=-2), jq.QuantizationRule(axis=0),
+           jq.QuantizationRule(axis=-2, block_size=2), jq.QuantizationRule(dtype=jnp.int4),
+           jq.QuantizationRule(dtype=jnp.int4, packed=False),
+           jq.QuantizationRule(method="minmax"),
+           jq.QuantizationRule(dtype=jnp.uint8, method="minmax"),
+           jq.QuantizationRule(dtype=jnp.float8_e4m3fn)]
+  wrong = [jq.quantize_params(CONV_W, rule) for rule in rules]
+  # Along the input features, counted from the end by hand: as many as the output features,
+  # a scale the convolution would have spread over its output features unnoticed.
+  square = jq.quantize_params(np.concatenate([CONV_W, CONV_W], axis=2),
+                              jq.QuantizationRule(axis=2))
+  wrong.append(dataclasses.replace(square, axis=-2))
+  message = ("rhs must be a float array, or a QuantizedArray of int8 without zero point "
+             r"scaled per tensor or per index of the kernel's output feature dim \(3\)")
+  for kernel in wrong:
+    with pytest.raises(TypeError, match=message):
+      op(CONV_X if kernel.shape[2] == 4 else np.concatenate([CONV_X, CONV_X], axis=3), kernel,
+         **CONV)
 
 
 @pytest.mark.parametrize("rule, options", [
