@@ -287,7 +287,10 @@ def dot_general_static_int8(
 
 
 def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
-  scale = lax.stop_gradient(_symmetric_scale(x, reduced))
+  # The scale is held constant: its statistics read x without a tangent, so no
+  # derivative of their reduction is traced (JAX's of a variadic reduce needs
+  # static shapes: jax.export of the gradient with a symbolic batch failed).
+  scale = _symmetric_scale(lax.stop_gradient(x), reduced)
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 

@@ -313,8 +313,11 @@ def integer_dot(
   if lhs_zero_point is not None and lhs_side.free:
     # rhs's sums over K are one more row of the product: a row of ones appended
     # along lhs's longest free dim, sliced off after. A separate reduction of rhs
-    # would read it again, and XLA:CPU reduces a weight's columns slowly.
-    row = max(lhs_side.free, key=lambda d: lhs.shape[d])
+    # would read it again, and XLA:CPU reduces a weight's columns slowly. A
+    # symbolic dim (jax.export's batch) cannot be compared with the others: the
+    # first one counts as the longest.
+    symbolic = [d for d in lhs_side.free if not isinstance(lhs.shape[d], int)]
+    row = symbolic[0] if symbolic else max(lhs_side.free, key=lambda d: lhs.shape[d])
     rows = lhs.shape[row]
     ones = jnp.ones(lhs.shape[:row] + (1,) + lhs.shape[row + 1:], lhs.dtype)
     product = _int8_dot(jnp.concatenate([lhs, ones], row), rhs, dimension_numbers)

@@ -14,6 +14,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import _dispatch
+from quant_testing import assert_bits_equal
 
 FEATURES = 64
 
@@ -147,3 +148,96 @@ def test_export_round_trips_through_serialization():
   x = np.random.default_rng(1).normal(size=(3, FEATURES)).astype(np.float32)
   for got, want in zip(restored.call(x), op(x, "xla")):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# The eight lax.dot_general / lax.conv_general_dilated drop-ins as a model calls them:
+# a Dense layer's (64, 32) kernel and a 3x3 Conv's (3, 3, 8, 16) HWIO kernel, stored by
+# quantize_params (int8 per output feature; int4 in blocks of 32 along K, packed) where
+# the op takes a QuantizedArray. The static int8 dot reads a sequence, (b, 5, 64): its
+# zero point appends a row of ones to lhs along the longest free dim (docs/numerics.md),
+# where b cannot be compared with 5; the fake-quant dot's per-token scale covers both.
+_DROP_IN_RNG = np.random.default_rng(4)
+DENSE_KERNEL = jnp.asarray(_DROP_IN_RNG.normal(size=(64, 32)) / 8, jnp.float32)
+CONV_KERNEL = jnp.asarray(_DROP_IN_RNG.normal(size=(3, 3, 8, 16)) / 8, jnp.float32)
+DENSE_INT8 = jq.quantize_params(DENSE_KERNEL, jq.QuantizationRule())
+DENSE_INT4 = jq.quantize_params(
+    DENSE_KERNEL, jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32))
+CONV_INT8 = jq.quantize_params(CONV_KERNEL, jq.QuantizationRule())
+DENSE = (((1,), (0,)), ((), ()))
+SEQUENCE_DENSE = (((2,), (0,)), ((), ()))
+NHWC = dict(dimension_numbers=("NHWC", "HWIO", "NHWC"))
+STATIC = dict(input_scale=np.float32(0.02), input_zero_point=np.int8(3))
+
+# name -> (function of x, x's shape after the batch).
+DROP_INS = {
+    "dot_general_dynamic_int8": (
+        lambda x: jq.dot_general_dynamic_int8(x, DENSE_INT8, DENSE), (64,)),
+    "dot_general_static_int8": (
+        lambda x: jq.dot_general_static_int8(x, DENSE_INT8, SEQUENCE_DENSE, **STATIC), (5, 64)),
+    "dot_general_weight_only": (
+        lambda x: jq.dot_general_weight_only(x, DENSE_INT4, DENSE), (64,)),
+    "dot_general_fake_quant": (
+        lambda x: jq.dot_general_fake_quant(x, DENSE_KERNEL, SEQUENCE_DENSE), (5, 64)),
+    "conv_general_dilated_dynamic_int8": (lambda x: jq.conv_general_dilated_dynamic_int8(
+        x, CONV_INT8, (1, 1), "SAME", **NHWC), (6, 6, 8)),
+    "conv_general_dilated_static_int8": (lambda x: jq.conv_general_dilated_static_int8(
+        x, CONV_INT8, (2, 2), "SAME", **NHWC, **STATIC), (7, 7, 8)),
+    # A float kernel: quantized inside, in blocks of 4 input features.
+    "conv_general_dilated_weight_only": (lambda x: jq.conv_general_dilated_weight_only(
+        x, CONV_KERNEL, (1, 1), "SAME", **NHWC, dtype=jnp.int4, block_size=4), (6, 6, 8)),
+    "conv_general_dilated_fake_quant": (lambda x: jq.conv_general_dilated_fake_quant(
+        x, CONV_KERNEL, (1, 1), "SAME", **NHWC), (6, 6, 8)),
+}
+
+
+@pytest.mark.parametrize("name", DROP_INS)
+def test_drop_ins_export_with_a_symbolic_batch(name):
+  """Bit for bit the op called under jit at each batch, the float ones included.
+
+  The int8 drop-ins add their products in int32 (exact in any order) before
+  a float32 epilogue; on XLA:CPU a dot with a symbolic row count takes the
+  exact bfloat16 dot where a concrete one of at most 256 rows takes the int8
+  dot: the same integers. The float dots and convolutions (weight-only,
+  fake-quant) could differ by their summation order, had XLA picked another
+  algorithm for the exported program: measured, it does not (the exported
+  program is compiled for the concrete batch it is called with). Exported
+  for CPU and CUDA at once: for CUDA the int8 drop-ins lower another
+  contraction (the bfloat16 dot, the convolution by taps), which must take
+  a symbolic batch too, and the packed int4 weight dequantizes in a Triton
+  kernel (``_dispatch.PALLAS_FASTER``), which export takes only when told.
+  """
+  op, shape = DROP_INS[name]
+  function = jax.jit(op)
+  (batch,) = export.symbolic_shape("b")
+  exported = export.export(function, platforms=("cpu", "cuda"), disabled_checks=TRITON)(
+      jax.ShapeDtypeStruct((batch, *shape), jnp.float32))
+  rng = np.random.default_rng(5)
+  for rows in (1, 4):
+    x = rng.normal(size=(rows, *shape)).astype(np.float32)
+    assert_bits_equal(exported.call(x), function(x), f"batch {rows}")
+
+
+@pytest.mark.parametrize("name", ["dot_general_fake_quant", "conv_general_dilated_fake_quant"])
+def test_fake_quant_drop_in_gradients_export_with_a_symbolic_batch(name):
+  """d/dx and d/dw of a sum of the output, bit for bit the gradient under jit.
+
+  The activations' scale is held constant: its statistics are not
+  differentiated (JAX's derivative of their variadic reduce needs static
+  shapes).
+  """
+  op = {"dot_general_fake_quant": lambda x, w: jq.dot_general_fake_quant(x, w, SEQUENCE_DENSE),
+        "conv_general_dilated_fake_quant": lambda x, w: jq.conv_general_dilated_fake_quant(
+            x, w, (1, 1), "SAME", **NHWC)}[name]
+  shape = DROP_INS[name][1]
+  kernel = DENSE_KERNEL if name.startswith("dot") else CONV_KERNEL
+  gradient = jax.jit(jax.grad(lambda x, w: jnp.sum(op(x, w)), argnums=(0, 1)))
+  (batch,) = export.symbolic_shape("b")
+  exported = export.export(gradient)(
+      jax.ShapeDtypeStruct((batch, *shape), jnp.float32),
+      jax.ShapeDtypeStruct(kernel.shape, jnp.float32))
+  rng = np.random.default_rng(6)
+  for rows in (1, 4):
+    x = rng.normal(size=(rows, *shape)).astype(np.float32)
+    for got, want, of in zip(exported.call(x, kernel), gradient(x, kernel), ("x", "w")):
+      assert np.any(np.asarray(want) != 0)
+      assert_bits_equal(got, want, f"d/d{of}, batch {rows}")
