@@ -244,6 +244,77 @@ def dot_general_cases():
            weight.values.size // mesh.size // 16)
 
 
+def conv_cases():
+  """The conv drop-ins (a 3x3 NHWC convolution, 16 -> 32 features) split along the batch
+  (8 examples, the kernel replicated) and along the kernel's output features (HWIO's O,
+  the input replicated). The dynamic int8 conv's activation scale is per example, the
+  kernel's per output feature: either split leaves every device whole scales, and the
+  int32 sums are exact.
+
+  Split along O, the float convolutions (weight-only, fake-quant) are each device's
+  convolution of 4 output features, which XLA:CPU sums in another order than one
+  convolution of 32 (one device convolving each 4-feature slice of the kernel gives
+  the sharded bits): they are compared with that too, as ``O(per-shard)``. The int4
+  weight-only kernel, quantized where it lies, is packed per row, 2 bytes of each
+  device's 4 features, and its dequantization reads 4-byte words
+  (``_packing.unpack_integers``): each device gathers its neighbour's bytes of every
+  row, two shards of the packed kernel (with 8 features a device, a word each, none).
+  """
+  mesh = make_mesh("1d")
+  rng = np.random.default_rng(9)
+  x = rng.standard_normal((8, 10, 10, 16)).astype(np.float32)
+  kernel = (rng.standard_normal((3, 3, 16, 32)) / 12).astype(np.float32)
+  numbers = dict(window_strides=(1, 1), padding="SAME",
+                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  int8 = jq.QuantizationRule()
+  int4 = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=8)  # packed
+
+  def int8_sharded(kernel, spec):
+    """A stored int8 kernel with its values and per-feature scale placed as ``spec``."""
+    weight = jq.quantize_params(jnp.asarray(kernel), int8)
+    return dataclasses.replace(
+        weight, values=jax.device_put(weight.values, NamedSharding(mesh, spec)),
+        scale=jax.device_put(weight.scale, NamedSharding(mesh, P(spec[-1]) if spec else P())))
+
+  # name -> (the drop-in, the kernel it takes on one device, the kernel sharded as spec).
+  ops = {
+      "conv_general_dilated_dynamic_int8": (
+          jq.conv_general_dilated_dynamic_int8,
+          lambda k: jq.quantize_params(jnp.asarray(k), int8), int8_sharded),
+      "conv_general_dilated_static_int8": (
+          functools.partial(jq.conv_general_dilated_static_int8,
+                            input_scale=np.float32(0.03), input_zero_point=np.int8(-5)),
+          lambda k: jq.quantize_params(jnp.asarray(k), int8), int8_sharded),
+      "conv_general_dilated_weight_only": (
+          jq.conv_general_dilated_weight_only,
+          lambda k: jq.quantize_params(jnp.asarray(k), int4),
+          lambda k, spec: jq.quantize_params(jax.device_put(k, NamedSharding(mesh, spec)), int4)),
+      "conv_general_dilated_fake_quant": (
+          jq.conv_general_dilated_fake_quant, jnp.asarray,
+          lambda k, spec: jax.device_put(k, NamedSharding(mesh, spec))),
+  }
+  features = kernel.shape[-1] // mesh.size
+  for name, (op, local, sharded) in ops.items():
+    f = jax.jit(lambda x, w, op=op: op(x, w, **numbers))
+    want = f(x, local(kernel))
+    for layout, x_spec, kernel_spec, out_spec in [
+        ("batch", P("c", None, None, None), P(), P("c", None, None, None)),
+        ("O", P(), P(None, None, None, "c"), P(None, None, None, "c")),
+    ]:
+      arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), sharded(kernel, kernel_spec))
+      got, compiled = f(*arguments), f.lower(*arguments).compile().as_text()
+      # Counted from a 16th of a shard of the kernel: a scale moved is smaller.
+      shard_elements = kernel.size // mesh.size // 16
+      report(f"jit 1d xla {name} {layout} -", got, want, compiled,
+             NamedSharding(mesh, out_spec), shard_elements)
+      if layout == "O" and name in ("conv_general_dilated_weight_only",
+                                    "conv_general_dilated_fake_quant"):
+        per_shard = jnp.concatenate([
+            f(x, local(kernel[..., i:i + features]))
+            for i in range(0, kernel.shape[-1], features)], axis=-1)
+        report(f"jit 1d xla {name} O(per-shard) -", got, per_shard, compiled,
+               NamedSharding(mesh, out_spec), shard_elements)
+
 def integer_matmul_cases():
   """The integer matmuls split along rows, N, K and a batch dim: int32 sums wrap exactly in
   any order, so partials added across devices (a split along K) equal one device too.
@@ -470,6 +541,7 @@ if __name__ == "__main__":
   matmul_nbits_cases()
   weight_only_cases()
   dot_general_cases()
+  conv_cases()
   integer_matmul_cases()
   vmap_cases()
   shard_map_cases()
