@@ -288,8 +288,7 @@ def dot_general_static_int8(
 
 def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   # The scale is held constant: its statistics read x without a tangent, so no
-  # derivative of their reduction is traced (JAX's of a variadic reduce needs
-  # static shapes: jax.export of the gradient with a symbolic batch failed).
+  # derivative of their reduction is traced at all.
   scale = _symmetric_scale(lax.stop_gradient(x), reduced)
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 

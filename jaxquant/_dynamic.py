@@ -87,6 +87,35 @@ def _order_key(x, *, inverse: bool = False):
   return lax.bitcast_convert_type(key, jnp.float32) if inverse else key
 
 
+def _split_among_ties(axes: tuple[int, ...]):
+  """``reduce(view) -> (min, max)`` over ``axes`` with the derivative of ``jnp.min``, ``jnp.max``.
+
+  The tangent of an extreme is the mean of the tangents where ``view`` equals
+  it (0 where nothing does: an empty view). JAX's own derivative of a variadic
+  reduce would split ties by their places in a tree of pairs, and builds that
+  tree from static shapes (no ``jax.export`` with a symbolic dim).
+  """
+
+  def decorate(reduce):
+    reduce = jax.custom_jvp(reduce)
+
+    @reduce.defjvp
+    def jvp(primals, tangents):
+      (view,), (tangent,) = primals, tangents
+      extremes = reduce(view)
+
+      def chosen(extreme):
+        at = view == jnp.expand_dims(extreme, axes)
+        count = jnp.sum(at, axes, dtype=tangent.dtype)
+        return jnp.sum(jnp.where(at, tangent, 0), axes) / jnp.maximum(count, 1)
+
+      return extremes, tuple(chosen(extreme) for extreme in extremes)
+
+    return reduce
+
+  return decorate
+
+
 def _min_max(
     view: jax.Array, axes: tuple[int, ...], *, keepdims: bool = False,
     windows: tuple[int, ...] | None = None,
@@ -112,30 +141,29 @@ def _min_max(
     if windows is not None:
       # JAX differentiates a windowed min or max, not a variadic pair of them.
       return nan_aware(view)
-    return lax.reduce(
-        without_nan(view), (inf, -inf),
-        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
-    )
+
+    @_split_among_ties(axes)
+    def variadic_without_nan(view):
+      return lax.reduce(
+          without_nan(view), (inf, -inf),
+          lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
+      )
+
+    return variadic_without_nan(view)
 
   to_float32 = lambda view: view.astype(jnp.float32)
   if keepdims:
     # A kernel block is already on chip: two plain reductions, which Mosaic
     # and Triton lower.
     return nan_aware(to_float32(view))
-  def variadic(view):
-    # One variadic reduce reads x once: without a select inside, XLA:CPU
-    # vectorizes it (measured faster than two plain reductions at 1M).
-    return lax.reduce(
-        (view, view), (inf, -inf),
-        lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes,
-    )
 
-  @jax.custom_jvp
+  @_split_among_ties(axes)
   def on_keys(view):
-    # The same reduce on int32 keys in the floats' order, where min and max
+    # One variadic reduce reads x once (measured faster than two plain
+    # reductions at 1M), on int32 keys in the floats' order, where min and max
     # are one instruction each; a float min or max costs four (NaN
     # propagation and -0 < +0, which the keys keep: the results are the same
-    # floats). Its derivative is the float reduce's.
+    # floats).
     # Unfolded: XLA would evaluate the keys and this variadic reduce of a
     # constant x (a closed-over weight) while compiling, about two seconds
     # per million elements, for a reduce that takes 0.1 ms to run.
@@ -147,7 +175,6 @@ def _min_max(
         (key, key), axes)
     return _order_key(low, inverse=True), _order_key(high, inverse=True)
 
-  on_keys.defjvp(lambda primals, tangents: jax.jvp(variadic, primals, tangents))
 
   def plain(view):
     if windows is not None:

@@ -441,7 +441,8 @@ def fake_quantize_dynamic(
       symmetric=symmetric,
   )
   _fake_quantized_dtype(dtype, narrow_range=False)  # at most 16 bits
-  scale, zero_point = lax.stop_gradient(dynamic.scale_and_zero_point(x))
+  # Statistics of a stop_gradient'ed x: no derivative of the reduction is traced at all.
+  scale, zero_point = dynamic.scale_and_zero_point(lax.stop_gradient(x))
   quantizer = _Quantizer(dynamic.info, np.dtype(np.float32), gradient)  # the float32 scale's
   return _apply(
       x, _parameters.Parameters(dynamic.info, scale, zero_point, dynamic.granularity), quantizer)

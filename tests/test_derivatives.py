@@ -97,6 +97,30 @@ def test_dynamic_quantize_scale_derivative(options):
   _assert_same(results)
 
 
+@pytest.mark.parametrize("axis", [None, 0], ids=["per-tensor", "per-row"])
+def test_dynamic_quantize_scale_derivative_splits_ties_evenly(axis):
+  """``d scale / dx`` is that of the range from ``jnp.min`` and ``jnp.max``: an
+  extreme that several elements share passes each the same part (JAX's
+  derivative of jaxquant's one-pass variadic reduce would weight them by their
+  places in a tree of pairs)."""
+  x = np.asarray(X).copy()
+  x[:, [3, 10, 40]] = np.arange(20, 26).reshape(-1, 1)  # three maxima per row ...
+  x[:, [5, 6]] = -np.arange(20, 26).reshape(-1, 1)  # ... and two minima
+  axes = None if axis is None else 1
+
+  def reference(x):
+    low = jnp.minimum(jnp.min(x, axis=axes), 0)
+    high = jnp.maximum(jnp.max(x, axis=axes), 0)
+    return jnp.sum((high - low) / 255)
+
+  want = jax.grad(reference)(jnp.asarray(x))
+  assert np.count_nonzero(np.asarray(want)) == (5 if axis is None else 5 * x.shape[0])
+  for implementation in IMPLEMENTATIONS:
+    got = jax.grad(lambda x: jnp.sum(jq.dynamic_quantize_linear(
+        x, dtype=jnp.int8, axis=axis, implementation=implementation)[1]))(jnp.asarray(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=implementation)
+
+
 def test_quantized_add_derivatives():
   def derivatives(implementation):
     def add(a_scale):

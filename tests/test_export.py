@@ -222,8 +222,7 @@ def test_fake_quant_drop_in_gradients_export_with_a_symbolic_batch(name):
   """d/dx and d/dw of a sum of the output, bit for bit the gradient under jit.
 
   The activations' scale is held constant: its statistics are not
-  differentiated (JAX's derivative of their variadic reduce needs static
-  shapes).
+  differentiated.
   """
   op = {"dot_general_fake_quant": lambda x, w: jq.dot_general_fake_quant(x, w, SEQUENCE_DENSE),
         "conv_general_dilated_fake_quant": lambda x, w: jq.conv_general_dilated_fake_quant(
@@ -241,3 +240,30 @@ def test_fake_quant_drop_in_gradients_export_with_a_symbolic_batch(name):
     for got, want, of in zip(exported.call(x, kernel), gradient(x, kernel), ("x", "w")):
       assert np.any(np.asarray(want) != 0)
       assert_bits_equal(got, want, f"d/d{of}, batch {rows}")
+
+
+@pytest.mark.parametrize("name", ["dynamic_quantize_linear scale", "fake_quantize_dynamic"])
+def test_dynamic_gradients_export_with_a_symbolic_batch(name):
+  """The scale's derivative (the min and max's, split among ties) and
+  ``fake_quantize_dynamic``'s straight-through one, bit for bit under jit.
+
+  JAX's own derivative of a variadic reduce builds a tree of pairs from
+  static shapes; the statistics' derivative is jaxquant's own for that reason.
+  """
+  op = {
+      "dynamic_quantize_linear scale": lambda x: jnp.sum(
+          jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0)[1]),
+      "fake_quantize_dynamic": lambda x: jnp.sum(jnp.sin(jq.fake_quantize_dynamic(x))),
+  }[name]
+  gradient = jax.jit(jax.grad(op))
+  (batch,) = export.symbolic_shape("b")
+  exported = export.export(gradient, platforms=("cpu", "cuda"))(
+      jax.ShapeDtypeStruct((batch, FEATURES), jnp.float32))
+  rng = np.random.default_rng(7)
+  for rows in (1, 5):
+    # Every row's max appears twice: a tie the derivative splits.
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    x[:, 1] = x.max(axis=1)
+    want = gradient(x)
+    assert np.any(np.asarray(want) != 0)
+    assert_bits_equal(exported.call(x), want, f"batch {rows}")
