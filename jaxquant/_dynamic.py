@@ -325,8 +325,11 @@ def dynamic_quantize_linear(
   dtypes only; 1 where ``max|x| == 0``). For uint8 and per-tensor this is ONNX
   DynamicQuantizeLinear bit for bit; int8 is DirectML's.
 
-  The min and max come from one variadic reduction (one pass over ``x``). No
-  output carries a gradient; for training use ``fake_quantize``.
+  The min and max come from one variadic reduction (one pass over ``x``).
+  ``y`` and ``zero_point`` are integers and carry no gradient (for training
+  use ``fake_quantize_dynamic``); ``scale``'s derivative is the formula's with
+  ``jnp.min`` and ``jnp.max``: an extreme shared by several elements passes
+  each the same share.
 
   Args:
     x: float32, float16 or bfloat16 input.
