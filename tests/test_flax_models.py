@@ -20,7 +20,7 @@ import pytest
 import jaxquant as jq
 
 # Training three models once per module takes several seconds.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained models")]
 
 nnx = pytest.importorskip("flax.nnx")
 datasets = pytest.importorskip("sklearn.datasets")

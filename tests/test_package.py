@@ -24,6 +24,8 @@ import pytest
 
 import jaxquant
 
+# One worker builds the wheel (the module fixture), not each worker.
+pytestmark = pytest.mark.xdist_group("wheel")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # sha256 of the Apache License 2.0 text as apache.org distributes it
 # (https://www.apache.org/licenses/LICENSE-2.0.txt), which pip-installed

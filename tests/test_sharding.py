@@ -24,6 +24,8 @@ import pytest
 import jaxquant as jq
 
 CHECK = pathlib.Path(__file__).with_name("sharding_check.py")
+# One worker runs the subprocess (the module fixture), not each worker.
+pytestmark = pytest.mark.xdist_group("8 devices")
 
 
 @pytest.fixture(scope="module")
