@@ -175,7 +175,6 @@ def _min_max(
         (key, key), axes)
     return _order_key(low, inverse=True), _order_key(high, inverse=True)
 
-
   def plain(view):
     if windows is not None:
       return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)

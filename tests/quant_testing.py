@@ -516,6 +516,20 @@ def spec_nbits_weight(b, scales, zero_points, *, k, n, bits, block_size):
   return (codes - zero[:, block]) * scale[:, block]
 
 
+def conv_epilogue(accumulator, lhs_scale, rhs_scale, out_spec, dtype) -> np.ndarray:
+  """The int8 convolution drop-ins' ``float32(acc) * (s_lhs * s_rhs)`` in ``dtype``: the lhs
+  scale per tensor or per example along the output's batch dim (``out_spec[0]``), the
+  kernel's per tensor or per output feature along its feature dim (``out_spec[1]``), their
+  product in float32 first."""
+  batch, feature = out_spec[:2]
+  accumulator = np.asarray(accumulator)
+  along = lambda scale, d: np.asarray(scale, np.float32).reshape(
+      [-1 if e == d else 1 for e in range(accumulator.ndim)])
+  with np.errstate(over="ignore", invalid="ignore"):  # an inf scale: inf and NaN, as documented
+    value = accumulator.astype(np.float32) * (along(lhs_scale, batch) * along(rhs_scale, feature))
+  return value.astype(dtype)
+
+
 def summation_error(magnitude, terms: int) -> np.ndarray:
   """How far two float32 sums of ``terms`` products, ``magnitude`` the sum of the products'
   magnitudes, summed in different orders may differ: each rounds the products and the

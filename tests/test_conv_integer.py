@@ -38,6 +38,7 @@ import jaxquant as jq
 from onnx_oracle import run_onnxruntime
 from quant_testing import assert_bits_equal
 from quant_testing import BF16
+from quant_testing import conv_epilogue
 from quant_testing import F32
 
 
@@ -105,8 +106,8 @@ def _onnx_attributes(case: Case, spatial_shape) -> dict[str, Any]:
 
 
 def _conv_integer(case: Case, x_codes, w_codes, x_zero_point=None) -> np.ndarray:
-  """onnxruntime's int32 ConvInteger of int8 codes in the case's lax layouts, laid out as
-  lax's output; the same with x shifted to uint8 (zero point + 128) must agree."""
+  """onnxruntime's int32 ConvInteger of int8 codes in the case's lax layouts, transposed to
+  lax's output layout; the same with x shifted to uint8 (zero point + 128) must agree."""
   numbers = case.numbers
   x = np.transpose(np.asarray(x_codes), numbers.lhs_spec)  # (N, C, *spatial)
   w = np.transpose(np.asarray(w_codes), numbers.rhs_spec)  # (M, C / group, *kernel)
@@ -119,16 +120,12 @@ def _conv_integer(case: Case, x_codes, w_codes, x_zero_point=None) -> np.ndarray
   np.testing.assert_array_equal(
       run_onnxruntime("ConvInteger", shifted, np.int32, **attributes), acc,
       err_msg="ConvInteger of the uint8-shifted codes")
-  return acc
+  return np.transpose(acc, np.argsort(numbers.out_spec))
 
 
 def _epilogue(case: Case, acc, lhs_scale, rhs_scale) -> np.ndarray:
-  """``float32(acc) * (s_lhs * s_rhs)`` on NCHW ``acc`` (scales per example or tensor, per
-  output feature or tensor), in the result dtype, laid out as lax's output."""
-  along = lambda scale, d: np.asarray(scale, np.float32).reshape(
-      [-1 if e == d else 1 for e in range(acc.ndim)])
-  y = acc.astype(np.float32) * (along(lhs_scale, 0) * along(rhs_scale, 1))
-  return np.transpose(y.astype(case.dtype), np.argsort(case.numbers.out_spec))
+  """The documented epilogue of ``acc`` in the case's result dtype."""
+  return conv_epilogue(acc, lhs_scale, rhs_scale, case.numbers.out_spec, case.dtype)
 
 
 def _operands(case: Case, seed: int):

@@ -37,6 +37,7 @@ from onnx_oracle import run_onnxruntime
 from quant_testing import assert_bits_equal
 from quant_testing import BF16
 from quant_testing import bit_width
+from quant_testing import conv_epilogue
 from quant_testing import examples
 from quant_testing import expand_scale
 from quant_testing import F32
@@ -954,14 +955,9 @@ def _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout, d
   ``dtype``: the lhs scale per tensor or per example, the kernel's per output feature, laid
   out along the output's batch and feature dims, their product in float32."""
   with jax.enable_x64(True):
-    accumulator = np.asarray(jax.lax.conv_general_dilated(
-        np.asarray(lhs_values, np.int64), np.asarray(rhs_values, np.int64), **layout.options))
-  batch, feature = layout.numbers.out_spec[:2]
-  along = lambda scale, d: np.asarray(scale, np.float32).reshape(
-      [-1 if e == d else 1 for e in range(accumulator.ndim)])
-  with np.errstate(over="ignore", invalid="ignore"):  # an inf scale: inf and NaN, as documented
-    value = accumulator.astype(np.float32) * (along(lhs_scale, batch) * along(rhs_scale, feature))
-  return value.astype(dtype)
+    accumulator = jax.lax.conv_general_dilated(
+        np.asarray(lhs_values, np.int64), np.asarray(rhs_values, np.int64), **layout.options)
+  return conv_epilogue(accumulator, lhs_scale, rhs_scale, layout.numbers.out_spec, dtype)
 
 
 # Each example runs the op eagerly and vmapped, which compiles each primitive of its two
