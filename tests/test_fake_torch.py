@@ -16,6 +16,7 @@ _fake_quantize_learnable_per_channel_  fake_quantize_learnable, 1-D scale: y, dx
 affine                                 dscale, dzero_point (per channel)
 fake_quantize_per_tensor_affine with   fake_quantize_dynamic: y, dx
 dynamic_quantize_linear's (s, z)
+amax, amin (tied extremes)             dynamic_quantize_linear's scale: d scale / dx
 =====================================  ============================================
 
 on int4, uint4, int8, uint8 and int16 (``narrow_range`` as ``quant_min =
@@ -564,6 +565,30 @@ def test_fake_quantize_dynamic_matches_torch_with_its_scale():
     # The range covers x: both pass the whole cotangent.
     _assert_bits_equal(dx, dx_torch, zero_sign=False)
     _assert_bits_equal(dx, cotangent)
+
+
+@pytest.mark.parametrize("axis", [None, 0], ids=["per-tensor", "per-row"])
+def test_dynamic_scale_derivative_splits_ties_as_torch_amax_and_amin(axis):
+  """``d scale / dx`` of ``dynamic_quantize_linear`` against PyTorch's ``amax`` and ``amin``,
+  which pass tied extremes equal shares: three maxima and two minima per row, a random
+  cotangent per scale. Both divide by 255 in float32; their float32 sums of the shares
+  may round differently (rtol 1e-6)."""
+  rng = np.random.default_rng(16)
+  x = rng.standard_normal((6, 40)).astype(np.float32)
+  x[:, [3, 10, 33]] = np.arange(20, 26).reshape(-1, 1)
+  x[:, [5, 6]] = -np.arange(20, 26).reshape(-1, 1)
+  cotangent = rng.standard_normal(() if axis is None else (6,)).astype(np.float32)
+  _, vjp = jax.vjp(lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.uint8, axis=axis)[1],
+                   jnp.asarray(x))
+  (dx,) = vjp(jnp.asarray(cotangent))
+  x_torch = torch.tensor(x, requires_grad=True)
+  dims = dict() if axis is None else dict(dim=1)
+  low = torch.clamp(torch.amin(x_torch, **dims), max=0)
+  high = torch.clamp(torch.amax(x_torch, **dims), min=0)
+  ((high - low) / 255).backward(torch.tensor(cotangent))
+  want = x_torch.grad.numpy()
+  assert np.count_nonzero(want) == (5 if axis is None else 5 * x.shape[0])
+  np.testing.assert_allclose(np.asarray(dx), want, rtol=1e-6)
 
 
 # -- the bounds: dx is 1 exactly at qmin and qmax, 0 a step beyond ----------
