@@ -606,3 +606,109 @@ def entry_work(hlo: str) -> list[tuple[str, str, str]]:
   return [(op, result, operands)
           for result, op, operands in re.findall(r"= (\([^)]*\)|\S+) ([\w\-]+)\(([^)]*)\)", entry)
           if op not in _ENTRY_BOOKKEEPING]
+
+
+# --- the matmul ops and lax drop-ins as models call them -----------------------------------
+
+
+def model_calls(seed: int = 0) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+  """Each matmul op and ``lax`` drop-in as a layer calls it: name -> (function, arrays).
+
+  The function takes the arrays positionally, activations first, so a test
+  can trace them, close them over, or map over them (the seed draws another
+  set of the same shapes and dtypes). Scales and zero points are per row or
+  column, or blocked, where the op takes them so; a kernel stored by
+  :func:`jaxquant.quantize_params` is a pytree of arrays like any other.
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jaxquant as jq  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  uniform = lambda *shape: rng.uniform(0.01, 0.05, shape).astype(np.float32)
+  integers = lambda dtype, *shape: rng.integers(
+      np.iinfo(dtype).min, np.iinfo(dtype).max + 1, shape).astype(dtype)
+  dense, sequence = (((1,), (0,)), ((), ())), (((2,), (0,)), ((), ()))
+  conv = dict(window_strides=(1, 1), padding="SAME",
+              dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  x, w = normal(6, 32), normal(32, 8) / 4
+  image, kernel = normal(2, 5, 5, 8), normal(3, 3, 8, 16) / 8
+  int8 = jq.QuantizationRule()
+  int4 = jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=16)  # packed
+  static = lambda scale, zero_point: dict(input_scale=scale, input_zero_point=zero_point)
+  # ONNX MatMulNBits: (N, K / block_size, block_size / 2) codes, zero points 2 per byte.
+  codes = integers(np.uint8, 8, 2, 8)
+  return {
+      "matmul_integer": (jq.matmul_integer, (
+          integers(np.uint8, 6, 32), integers(np.int8, 32, 8), integers(np.uint8, 6),
+          integers(np.int8, 8))),
+      "qlinear_matmul": (jq.qlinear_matmul, (
+          integers(np.uint8, 6, 32), uniform(), integers(np.uint8), integers(np.int8, 32, 8),
+          uniform(8), integers(np.int8, 8), uniform() * 8, integers(np.uint8))),
+      "matmul_nbits": (lambda a, b, scales, zero_points, bias: jq.matmul_nbits(
+          a, b, scales, zero_points, bias, K=32, N=8, block_size=16), (
+              x, codes, uniform(8, 2), integers(np.uint8, 8, 1), normal(8))),
+      "quantized_dot_general integer": (
+          lambda lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale: jq.quantized_dot_general(
+              lhs, rhs, dense, lhs_scale=lhs_scale, lhs_zero_point=lhs_zero_point,
+              rhs_scale=rhs_scale), (
+                  integers(np.uint8, 6, 32), integers(np.int8, 32, 8), uniform(6, 1),
+                  integers(np.uint8, 6, 1), uniform(1, 8))),
+      "quantized_dot_general float": (
+          lambda lhs, rhs, lhs_scale, rhs_scale: jq.quantized_dot_general(
+              lhs, rhs, dense, lhs_scale=lhs_scale, rhs_scale=rhs_scale),
+          (x, w, uniform() * 2, uniform(1, 8) / 4)),
+      "dot_general_dynamic_int8": (
+          lambda x, w: jq.dot_general_dynamic_int8(x, w, dense), (x, w)),
+      "dot_general_dynamic_int8 stored": (
+          lambda x, w: jq.dot_general_dynamic_int8(x, w, dense),
+          (x, jq.quantize_params(w, int8))),
+      "dot_general_static_int8": (
+          lambda x, w, scale, zero_point: jq.dot_general_static_int8(
+              x, w, sequence, **static(scale, zero_point)),
+          (normal(2, 3, 32), w, uniform() * 2, integers(np.int8))),
+      "dot_general_weight_only": (
+          lambda x, w: jq.dot_general_weight_only(x, w, dense, dtype=jnp.int4, block_size=16),
+          (x, w)),
+      "dot_general_weight_only stored": (
+          lambda x, w: jq.dot_general_weight_only(x, w, dense),
+          (x, jq.quantize_params(w, int4))),
+      "dot_general_fake_quant": (
+          lambda x, w: jq.dot_general_fake_quant(x, w, dense), (x, w)),
+      "conv_general_dilated_dynamic_int8": (
+          lambda x, w: jq.conv_general_dilated_dynamic_int8(x, w, **conv),
+          (image, jq.quantize_params(kernel, int8))),
+      "conv_general_dilated_static_int8": (
+          lambda x, w, scale, zero_point: jq.conv_general_dilated_static_int8(
+              x, w, **conv, **static(scale, zero_point)),
+          (image, kernel, uniform() * 2, integers(np.int8))),
+      "conv_general_dilated_weight_only": (
+          lambda x, w: jq.conv_general_dilated_weight_only(x, w, **conv), (image, kernel)),
+      "conv_general_dilated_fake_quant": (
+          lambda x, w: jq.conv_general_dilated_fake_quant(x, w, **conv), (image, kernel)),
+  }
+
+
+def assert_same_under_x64(function, args) -> None:
+  """``jax.jit(function)(*args)`` with x64 enabled gives x32's dtypes and bits."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  want = jax.jit(function)(*args)
+  with jax.enable_x64(True):
+    got = jax.jit(function)(*args)
+  assert_bits_equal(got, want, "x64")
+
+
+def assert_vmap_is_a_loop(function, examples, in_axes) -> None:
+  """``jax.vmap(function, in_axes)`` over the examples' arguments (those of axis None the
+  first example's) gives each example's own ``jax.jit(function)`` bits. Under jit: eagerly,
+  vmap compiles each primitive on its own, seconds for a drop-in."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  examples = [[a if axis == 0 else examples[0][j] for j, (a, axis) in enumerate(zip(args, in_axes))]
+              for args in examples]
+  stacked = [jax.tree.map(lambda *a: np.stack(a), *column) if axis == 0 else column[0]
+             for column, axis in zip(zip(*examples), in_axes)]
+  mapped = jax.jit(jax.vmap(function, in_axes=tuple(in_axes)))(*stacked)
+  for i, args in enumerate(examples):
+    assert_bits_equal(mapped[i], jax.jit(function)(*args), f"example {i}")

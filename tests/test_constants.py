@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from quant_testing import assert_bits_equal
 from quant_testing import IMPLEMENTATIONS
+from quant_testing import model_calls
 
 
 def _ties(shape, scale, seed=0):
@@ -187,3 +189,13 @@ def test_statistics_of_a_closed_over_weight_are_not_folded(statistic):
   assert re.search(r"= \S+ (reduce|reduce-window|sort)\(", compiled), compiled
   _assert_all_equal([jax.jit(lambda: _STATISTICS[statistic](w))()],
                     jax.jit(_STATISTICS[statistic])(w))
+
+
+@pytest.mark.parametrize("name", model_calls())
+def test_matmul_ops_and_drop_ins(name):
+  # The layer's weights, scales and zero points closed over (how a model calls
+  # it), then the activations too: XLA may fold and rewrite all but x, or all.
+  function, (x, *weights) = model_calls()[name]
+  traced = jax.jit(function)(x, *weights)
+  assert_bits_equal(jax.jit(lambda x: function(x, *weights))(x), traced, "weights constant")
+  assert_bits_equal(jax.jit(lambda: function(x, *weights))(), traced, "all constant")
