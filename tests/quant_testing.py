@@ -696,7 +696,9 @@ def assert_same_under_x64(function, args) -> None:
   want = jax.jit(function)(*args)
   with jax.enable_x64(True):
     got = jax.jit(function)(*args)
-  assert_bits_equal(got, want, "x64")
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert_bits_equal(got_leaf, want_leaf, "x64")
 
 
 def assert_vmap_is_a_loop(function, examples, in_axes) -> None:
@@ -712,3 +714,53 @@ def assert_vmap_is_a_loop(function, examples, in_axes) -> None:
   mapped = jax.jit(jax.vmap(function, in_axes=tuple(in_axes)))(*stacked)
   for i, args in enumerate(examples):
     assert_bits_equal(mapped[i], jax.jit(function)(*args), f"example {i}")
+
+
+def elementwise_calls(seed: int = 0) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+  """The other public ops, called as :func:`model_calls`' are: name -> (function, arrays).
+
+  Scales and zero points are per axis or blocked where the op takes them so,
+  and options Python numbers (a float64 under x64 unless the op reads them
+  as float32).
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jaxquant as jq  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((6, 64)) * 3).astype(np.float32)
+  scale = rng.uniform(0.01, 0.05, 64).astype(np.float32)
+  blocked_scale = rng.uniform(0.2, 0.5, (6, 4)).astype(np.float32)
+  codes = rng.integers(-128, 128, (6, 64)).astype(np.int8)
+  zero_point = rng.integers(-20, 20, 64).astype(np.int8)
+  blocked = dict(axis=1, block_size=16)
+  int4 = jq.QuantizationRule(dtype=jnp.int4, axis=1, block_size=16)
+  observed = lambda x, momentum: jq.observe(jq.init_observer(momentum=momentum), x)
+  return {
+      "quantize_linear per-axis": (lambda x, s, z: jq.quantize_linear(x, s, z, axis=1),
+                                   (x, scale, zero_point)),
+      "dequantize_linear per-axis": (lambda q, s, z: jq.dequantize_linear(q, s, z, axis=1),
+                                     (codes, scale, zero_point)),
+      "dequantize_linear packed int4 blocked": (
+          lambda q, s: jq.dequantize_linear(
+              jq.pack(q.astype(jnp.int4)), s, packed_shape=q.shape, **blocked),
+          (codes // 16, blocked_scale)),
+      "dynamic_quantize_linear blocked": (
+          lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, **blocked), (x,)),
+      "quantized_add": (lambda a, b: jq.quantized_add(a, 0.05, 3, b, 0.1, -2, 0.07, 1),
+                        (codes, codes[::-1])),
+      "fake_quantize per-axis": (lambda x, s: jq.fake_quantize(x, s, axis=1), (x, scale)),
+      "fake_quantize_learnable blocked": (
+          lambda x, s, z: jq.fake_quantize_learnable(x, s, z, grad_factor=0.5, **blocked),
+          (x, blocked_scale, blocked_scale * 10)),
+      "fake_quantize_dynamic per-row": (lambda x: jq.fake_quantize_dynamic(x, axis=0), (x,)),
+      "unpack int4": (lambda q: jq.unpack(jq.pack_int4(q.astype(jnp.int4)), q.shape, jnp.int4),
+                      (codes // 16,)),
+      "choose_qparams mse blocked": (
+          lambda w: jq.choose_qparams(w, jnp.int4, method="mse", **blocked), (x,)),
+      "quantize_params int4": (lambda w: jq.quantize_params(w, int4).dequantize(), (x,)),
+      "observer_qparams moving average": (
+          lambda x: jq.observer_qparams(observed(x, 0.9), jnp.uint8), (x,)),
+      "observer_qparams percentile": (
+          lambda x: jq.observer_qparams(observed(x, None), method="percentile", percentile=99.0),
+          (x,)),
+  }

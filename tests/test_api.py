@@ -12,6 +12,8 @@ import pytest
 
 import jaxquant as jq
 from jaxquant import _linear
+from quant_testing import assert_same_under_x64
+from quant_testing import elementwise_calls
 
 PUBLIC = [getattr(jq, name) for name in jq.__all__]
 # The quantized-parameter containers, rules and observer states are data, not ops.
@@ -71,6 +73,14 @@ def test_ops_still_run_under_an_outer_jit_and_vmap():
       jq.quantize_linear(x, 0.5, output_dtype="int8"), 0.5)))
   np.testing.assert_array_equal(f(jnp.ones((3, 4))), np.ones((3, 4), np.float32))
 
+
+
+@pytest.mark.parametrize("name", elementwise_calls())
+def test_x64_gives_x32_dtypes_and_bits(name):
+  """Float32 arguments and Python-number options under x64: nothing computes in float64.
+
+  The matmul ops and drop-ins: test_matmul.py and test_dot_general.py."""
+  assert_same_under_x64(*elementwise_calls()[name])
 
 def _error(call):
   with pytest.raises((TypeError, ValueError)) as info:

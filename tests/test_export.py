@@ -23,8 +23,25 @@ def _blocked_scale(x):
   return jnp.full((x.shape[0], FEATURES // 32), 0.05, jnp.float32)
 
 
-# Each op as a function of x and the implementation; the fake-quant ops have
-# only the XLA evaluation (their kernels are quantize's).
+def _int8(x):
+  return jq.quantize_linear(x, 0.05, output_dtype=jnp.int8)
+
+
+def _uint8(x):
+  return jq.quantize_linear(x, 0.05, np.uint8(128))
+
+
+# Per-channel parameters as NumPy constants (jnp.linspace's bits differ under jit and eagerly).
+_CHANNEL_RNG = np.random.default_rng(8)
+CHANNEL_SCALE = _CHANNEL_RNG.uniform(0.01, 0.1, FEATURES).astype(np.float32)
+CHANNEL_ZERO_POINT = _CHANNEL_RNG.integers(-5, 5, FEATURES).astype(np.int8)
+# A (64, 8) int8 weight with per-column scales and zero points.
+WEIGHT = _CHANNEL_RNG.integers(-128, 128, (FEATURES, 8)).astype(np.int8)
+WEIGHT_SCALE = _CHANNEL_RNG.uniform(0.01, 0.02, 8).astype(np.float32)
+WEIGHT_ZERO_POINT = _CHANNEL_RNG.integers(-3, 3, 8).astype(np.int8)
+
+
+# Each op as a function of x and the implementation.
 OPS = {
     "quantize per-tensor": lambda x, i: jq.quantize_linear(
         x, 0.05, output_dtype=jnp.int8, implementation=i),
@@ -35,6 +52,12 @@ OPS = {
     "quantize blocked along the batch": lambda x, i: jq.quantize_linear(
         x, jnp.full((-(-x.shape[0] // 4), FEATURES), 0.05), axis=0, block_size=4,
         output_dtype=jnp.int8, implementation=i),
+    "dequantize per-channel": lambda x, i: jq.dequantize_linear(
+        _int8(x), CHANNEL_SCALE, CHANNEL_ZERO_POINT, axis=1,
+        implementation=i),
+    "dequantize per-row": lambda x, i: jq.dequantize_linear(
+        _int8(x), jnp.full(x.shape[:1], 0.05), jnp.full(x.shape[:1], 3, jnp.int8), axis=0,
+        implementation=i),
     "dequantize blocked": lambda x, i: jq.dequantize_linear(
         jq.quantize_linear(x, 0.05, output_dtype=jnp.int8), _blocked_scale(x), axis=1,
         block_size=32, implementation=i),
@@ -53,10 +76,22 @@ OPS = {
         jq.quantize_linear(-x, 0.1, output_dtype=jnp.int8), 0.1, None, 0.07, implementation=i),
     "fake_quantize blocked": lambda x, i: jq.fake_quantize(
         x, _blocked_scale(x), axis=1, block_size=32, dtype=jnp.int4),
+    "fake_quantize per-channel": lambda x, i: jq.fake_quantize(
+        x, CHANNEL_SCALE, CHANNEL_ZERO_POINT, axis=1),
     "fake_quantize_learnable": lambda x, i: jq.fake_quantize_learnable(x, 0.05, 1.0),
+    "fake_quantize_learnable per-channel": lambda x, i: jq.fake_quantize_learnable(
+        x, CHANNEL_SCALE, CHANNEL_SCALE * 100, axis=1),
     "fake_quantize_dynamic per-token": lambda x, i: jq.fake_quantize_dynamic(x, axis=0),
+    # Zero points and scales per row: as long as the symbolic batch.
+    "matmul_integer per-row": lambda x, i: jq.matmul_integer(
+        _uint8(x), WEIGHT, jnp.full(x.shape[:1], 128, jnp.uint8), WEIGHT_ZERO_POINT),
+    "qlinear_matmul per-row": lambda x, i: jq.qlinear_matmul(
+        _uint8(x), jnp.full(x.shape[:1], 0.05), jnp.full(x.shape[:1], 128, jnp.uint8), WEIGHT,
+        WEIGHT_SCALE, WEIGHT_ZERO_POINT, 0.5, np.uint8(3)),
 }
-KERNEL_OPS = [name for name in OPS if not name.startswith("fake")]
+# Ops with an implementation option: the others (fake quantization's is quantize's) have
+# only the XLA evaluation.
+KERNEL_OPS = [name for name in OPS if not name.startswith(("fake", "matmul", "qlinear"))]
 
 
 def _export(op, implementation, platforms=None, **kwargs):
