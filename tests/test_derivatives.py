@@ -15,6 +15,8 @@ import jaxquant as jq
 from quant_testing import assert_bits_equal
 from quant_testing import dtype_name
 from quant_testing import IMPLEMENTATIONS
+from quant_testing import model_calls
+from quant_testing import spec_nbits_weight
 
 
 def _assert_same(results):
@@ -130,3 +132,58 @@ def test_quantized_add_derivatives():
     return jax.jvp(add, (jnp.float32(0.1),), (jnp.float32(1.0),))
 
   _assert_same(_per_implementation(derivatives))
+
+
+def test_matmul_nbits_derivatives():
+  """The docstring's gradients, for ``a``, ``scales`` and ``bias``: those of ``a @ W.T + bias``
+  with ``W = (q - z) * s`` (to float32 summation error), the same bits on both implementations."""
+  function, (a, b, scales, zero_points, bias) = model_calls()["matmul_nbits"]
+  cotangent = np.random.default_rng(2).standard_normal((a.shape[0], bias.size)).astype(np.float32)
+  k, n, block_size = a.shape[1], bias.size, 16
+  difference = spec_nbits_weight(b, np.ones_like(scales), zero_points, k=k, n=n, bits=4,
+                                 block_size=block_size)
+  weight = difference * np.repeat(scales, block_size, axis=1)
+  weight_gradient = cotangent.T @ a
+  want = (cotangent @ weight,
+          (weight_gradient * difference).reshape(n, -1, block_size).sum(-1),
+          cotangent.sum(0))
+
+  def derivatives(implementation):
+    def loss(a, scales, bias):
+      y = jq.matmul_nbits(a, b, scales, zero_points, bias, K=k, N=n, block_size=block_size,
+                          implementation=implementation)
+      return jnp.sum(cotangent * y)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a, scales, bias)
+
+  results = _per_implementation(derivatives)
+  _assert_same(results)
+  for got, expected, of in zip(results["xla"], want, ("a", "scales", "bias")):
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=of)
+
+
+def test_quantized_dot_general_float_second_order():
+  """Float operands' derivatives are those of ``dot_general`` of fake-quantized operands, to
+  second order: a Hessian-vector product equals that of the product written so."""
+  _, (x, w, x_scale, w_scale) = model_calls()["quantized_dot_general float"]
+  dims = (((1,), (0,)), ((), ()))
+  rng = np.random.default_rng(3)
+  tangents = (rng.standard_normal(x.shape).astype(np.float32),
+              rng.standard_normal(w.shape).astype(np.float32))
+
+  def quantized(x, w):
+    return jq.quantized_dot_general(x, w, dims, lhs_scale=x_scale, rhs_scale=w_scale)
+
+  def reference(x, w):
+    return jax.lax.dot_general(
+        jq.fake_quantize(x, x_scale, axis=None), jq.fake_quantize(w, w_scale, axis=None), dims,
+        precision=jax.lax.Precision.HIGHEST)
+
+  def hessian_vector_product(function):
+    gradient = jax.grad(lambda x, w: jnp.sum(jnp.sin(function(x, w))), argnums=(0, 1))
+    return jax.jit(lambda x, w: jax.jvp(gradient, (x, w), tangents)[1])(x, w)
+
+  got, want = hessian_vector_product(quantized), hessian_vector_product(reference)
+  assert np.any(np.asarray(want[0]) != 0)
+  for g, e, of in zip(got, want, ("x", "w")):
+    np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4, err_msg=of)
