@@ -808,11 +808,13 @@ def qlinear_matmul(
       lhs_info=infos[0], rhs_info=infos[1],
   )
   lhs_side, rhs_side = sides
-  multiplier = (
+  # A true division: XLA would multiply a per-row or per-column product by
+  # the reciprocal of the broadcast y_scale (docs/numerics.md, XLA traps).
+  multiplier = _numerics.true_divide(
       lhs_side.to_output(a_scale.astype(jnp.float32), lhs=True, other_free=len(rhs_side.free))
       * rhs_side.to_output(b_scale.astype(jnp.float32), lhs=False, other_free=len(
-          lhs_side.free))
-  ) / y_scale.astype(jnp.float32).reshape(())
+          lhs_side.free)),
+      y_scale.astype(jnp.float32).reshape(()))
   value = accumulator.astype(jnp.float32) * multiplier
   y = _numerics.round_and_saturate(
       value, None if y_zero_point is None else y_zero_point.reshape(()), out_info)

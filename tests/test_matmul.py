@@ -354,26 +354,30 @@ def test_qlinear_matmul_matches_onnxruntime_and_reference():
   assert ties > 0, "no tie with an odd zero point was drawn: the deviation is untested"
 
 
-def test_qlinear_matmul_divides_by_y_scale():
+@pytest.mark.parametrize("columns", [(), (3,)], ids=["per-tensor", "per-column"])
+def test_qlinear_matmul_divides_by_y_scale(columns):
   """The multiplier is (a_scale * b_scale) / y_scale, a float32 division, as in both oracles.
 
   These scales (found by search) make the reciprocal's multiplier one ulp larger, and
-  accumulators of +-2408 then round to 78 instead of 77.
+  accumulators of +-2408 then round to 78 instead of 77. Per column, the product of
+  scales has b's columns and y_scale is broadcast over them: XLA multiplied by its
+  reciprocal there, giving 78, until the division was made a true one.
   """
   a_scale, b_scale, y_scale = np.float32([0.019982591, 0.09850354, 0.061158728])
   a = np.int8([[19, -5], [-19, 5]])  # times b: +-(19 * 127 - 5) = +-2408
-  b = np.int8([[127], [1]])
+  b = np.int8([[127] * 3, [1] * 3])
   inputs = {"a": a, "a_scale": a_scale, "a_zero_point": np.int8(0), "b": b,
-            "b_scale": b_scale, "b_zero_point": np.int8(0), "y_scale": y_scale,
-            "y_zero_point": np.int8(0)}
+            "b_scale": np.full(columns, b_scale), "b_zero_point": np.zeros(columns, np.int8),
+            "y_scale": y_scale, "y_zero_point": np.int8(0)}
   inputs = {name: np.asarray(value) for name, value in inputs.items()}
   accumulator = np.float32([[2408], [-2408]])
   by_reciprocal = np.rint(accumulator * ((a_scale * b_scale) * (np.float32(1) / y_scale)))
   np.testing.assert_array_equal(by_reciprocal, [[78], [-78]])
-  for expected in (run_onnxruntime("QLinearMatMul", inputs, np.int8),
-                   run_reference("QLinearMatMul", inputs, np.int8)):
-    np.testing.assert_array_equal(expected, [[77], [-77]])
-  np.testing.assert_array_equal(jq.qlinear_matmul(**inputs), [[77], [-77]])
+  expected = np.repeat([[77], [-77]], 3, axis=1)
+  for oracle in (run_onnxruntime, run_reference):
+    np.testing.assert_array_equal(oracle("QLinearMatMul", inputs, np.int8), expected)
+  np.testing.assert_array_equal(jq.qlinear_matmul(**inputs), expected)
+  np.testing.assert_array_equal(jax.jit(jq.qlinear_matmul)(**inputs), expected)
 
 
 def test_m2_reference_broadcasts_a_per_row_zero_point_along_k():
