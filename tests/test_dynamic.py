@@ -360,9 +360,16 @@ def test_onnxruntime_nan_deviation(implementation):
 @pytest.mark.xfail(jax.default_backend() == "cpu", strict=True, reason=(
     "XLA's CPU backend runs with denormals-are-zero / flush-to-zero: subnormal x "
     "reads as 0 in the min/max and a subnormal scale becomes 0"))
-def test_subnormal_range():
-  x = np.array([0.0, 3e-39, 1e-39], np.float32)
-  assert_outputs_equal(jq.dynamic_quantize_linear(x), run_onnxruntime(x))
+@pytest.mark.parametrize("x", [
+    [0.0, 3e-39, 1e-39],
+    # Normal values whose range / 255 (7.8e-39) is subnormal: scale 0 instead.
+    [1e-36, -1e-36, 5e-37],
+], ids=["subnormal x", "subnormal scale"])
+def test_subnormal_range(x):
+  x = np.array(x, np.float32)
+  expected = run_onnxruntime(x)
+  assert_outputs_equal(run_reference(x), expected)
+  assert_outputs_equal(jq.dynamic_quantize_linear(x), expected)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

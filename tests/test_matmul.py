@@ -410,6 +410,88 @@ def test_qlinear_matmul_per_row_a():
   np.testing.assert_array_equal(got, np.clip(np.rint(value) + 3, -128, 127).astype(np.int8))
 
 
+# numpy.matmul's rules for 1-D operands (promoted, then the promoted dim dropped) and
+# batch dims broadcast from either side; per-tensor parameters, as onnxruntime takes them
+# for a batched b (M3).
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((5,), (5,)), ((5,), (2, 5, 3)), ((2, 3, 5), (5,)), ((3, 5), (2, 5, 4)),
+    ((2, 1, 3, 5), (4, 5, 2)), ((1, 3, 5), (2, 1, 5, 4)),
+], ids=str)
+def test_1d_and_broadcast_batch_operands_match_both_oracles(a_shape, b_shape):
+  rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
+  a, b = _integers(rng, np.uint8, a_shape), _integers(rng, np.int8, b_shape)
+  a_zero_point, b_zero_point = np.asarray(np.uint8(131)), np.asarray(np.int8(-7))
+  inputs = {"a": a, "b": b, "a_zero_point": a_zero_point, "b_zero_point": b_zero_point}
+  exact = np.matmul(a.astype(np.int64) - 131, b.astype(np.int64) + 7)
+  np.testing.assert_array_equal(jq.matmul_integer(**inputs), exact.astype(np.int32))
+  for oracle in (run_onnxruntime, run_reference):
+    np.testing.assert_array_equal(oracle("MatMulInteger", inputs, np.int32), exact)
+  scale = lambda value: np.asarray(np.float32(value))
+  inputs = {"a": a, "a_scale": scale(0.021), "a_zero_point": a_zero_point,
+            "b": b, "b_scale": scale(0.013), "b_zero_point": b_zero_point,
+            "y_scale": scale(0.047), "y_zero_point": np.asarray(np.uint8(128))}
+  got = np.asarray(jq.qlinear_matmul(**inputs))
+  assert got.shape == exact.shape
+  for oracle in (run_onnxruntime, run_reference):
+    np.testing.assert_array_equal(oracle("QLinearMatMul", inputs, np.uint8), got)
+
+
+def test_o7_onnxruntime_empty_contraction_is_uninitialized():
+  """O7: with K = 0 onnxruntime leaves MatMulInteger's output unwritten.
+
+  The sum over no terms is 0 (numpy.matmul, onnx.reference, jaxquant), and
+  QLinearMatMul's output is then its zero point. onnxruntime 1.32.0 returns
+  whatever its allocator held, different from run to run, so its value is not
+  compared; the test asserts that a few runs show the garbage.
+  """
+  a, b = np.zeros((3, 0), np.uint8), np.zeros((0, 4), np.int8)
+  inputs = {"a": a, "b": b, "a_zero_point": np.asarray(np.uint8(3)),
+            "b_zero_point": np.asarray(np.int8(5))}
+  zeros = np.zeros((3, 4), np.int32)
+  np.testing.assert_array_equal(jq.matmul_integer(**inputs), zeros)
+  np.testing.assert_array_equal(run_reference("MatMulInteger", inputs, np.int32), zeros)
+  assert any(np.any(run_onnxruntime("MatMulInteger", inputs, np.int32) != 0)
+             for _ in range(20))
+  one = np.asarray(np.float32(1))
+  inputs = {"a": a, "a_scale": one, "a_zero_point": inputs["a_zero_point"], "b": b,
+            "b_scale": one, "b_zero_point": inputs["b_zero_point"], "y_scale": one,
+            "y_zero_point": np.asarray(np.uint8(7))}
+  sevens = np.full((3, 4), 7, np.uint8)
+  np.testing.assert_array_equal(jq.qlinear_matmul(**inputs), sevens)
+  np.testing.assert_array_equal(run_reference("QLinearMatMul", inputs, np.uint8), sevens)
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_m5_reference_forms_the_multiplier_in_the_scales_dtype(scale_dtype):
+  """M5: onnx.reference multiplies and divides float16/bfloat16 scales in their own dtype.
+
+  ONNX does not say in which precision QLinearMatMul forms ``a_scale * b_scale /
+  y_scale``; onnxruntime 1.32.0 (float16; it has no bfloat16 kernel) and jaxquant
+  form it in float32 (0.008828264 here, 0.00883 in float16).
+  """
+  rng = np.random.default_rng(5)
+  a, b = _integers(rng, np.uint8, (4, 6)), _integers(rng, np.int8, (6, 3))
+  scales = {name: np.asarray(value, scale_dtype) for name, value in
+            (("a_scale", 0.0123), ("b_scale", 0.0371), ("y_scale", 0.0517))}
+  inputs = {"a": a, "a_scale": scales["a_scale"], "a_zero_point": np.asarray(np.uint8(120)),
+            "b": b, "b_scale": scales["b_scale"], "b_zero_point": np.asarray(np.int8(3)),
+            "y_scale": scales["y_scale"], "y_zero_point": np.asarray(np.uint8(128))}
+  accumulator = (a.astype(np.float32) - 120) @ (b.astype(np.float32) - 3)
+  a_scale, b_scale, y_scale = (scales[name].astype(np.float32)
+                               for name in ("a_scale", "b_scale", "y_scale"))
+  in_float32 = np.clip(np.rint(accumulator * (a_scale * b_scale / y_scale)) + 128, 0, 255)
+  got = np.asarray(jq.qlinear_matmul(**inputs))
+  np.testing.assert_array_equal(got, in_float32)
+  if scale_dtype == np.float16:
+    np.testing.assert_array_equal(run_onnxruntime("QLinearMatMul", inputs, np.uint8), got)
+  narrow = scales["a_scale"] * scales["b_scale"] / scales["y_scale"]
+  in_scale_dtype = np.clip(np.rint(accumulator.astype(np.float64) * np.float64(narrow)) + 128,
+                           0, 255)
+  reference = run_reference("QLinearMatMul", inputs, np.uint8)
+  np.testing.assert_array_equal(reference, in_scale_dtype)
+  assert np.any(reference != got)
+
+
 @pytest.mark.slow
 # Every depth path of XLA:CPU's int8 dot (docs/numerics.md): one dot; slices of a view of
 # the weight (4100 = 4 x 1025); more than 8 padded slices (8209, a prime).
@@ -571,6 +653,27 @@ def test_matmul_nbits_matches_onnxruntime(bits, k, n, block_size, zero_points):
   # Summation order differs: float32 rounding of K products, relative to their magnitudes.
   weight = spec_nbits_weight(b, scales, zero_points, k=k, n=n, bits=bits, block_size=block_size)
   assert np.all(np.abs(got - expected) <= summation_bound(a, weight, bias))
+
+
+@pytest.mark.parametrize("bits, k, block_size, zero_points", [
+    (2, 37, 16, None), (2, 70, 32, "packed"), (4, 33, 32, None), (4, 100, 64, "packed"),
+    (8, 21, 16, None), (8, 80, 64, "packed"),
+])
+def test_matmul_nbits_weight_is_onnxruntimes(bits, k, block_size, zero_points):
+  """A one-hot a reads the weight out (each output one product with 1): bit for bit
+  onnxruntime's, ragged last blocks and absent (2^(bits - 1)) zero points included."""
+  rng = np.random.default_rng(bits * 100 + k)
+  n = 5
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, zero_points)
+  a = np.eye(k, dtype=np.float32)
+  expected = run_onnxruntime("MatMulNBits", {"A": a, "B": b, "scales": scales,
+                                             "zero_points": zero_points},
+                             np.float32, domain="com.microsoft", K=k, N=n, bits=bits,
+                             block_size=block_size)
+  weight = spec_nbits_weight(b, scales, zero_points, k=k, n=n, bits=bits, block_size=block_size)
+  assert_bits_equal(expected, weight.T)
+  assert_bits_equal(jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
+                                    block_size=block_size), expected)
 
 
 @pytest.mark.parametrize("m, k, n, block_size", [

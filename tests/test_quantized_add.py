@@ -2,10 +2,10 @@
 
 The oracles: onnxruntime's own QLinearAdd test vectors, onnxruntime's
 com.microsoft QLinearAdd kernel (which folds the output zero point in before
-rounding, so it may differ by one at ties: A1 in docs/numerics.md, "Oracle
-deviations"), and the documented formula written out
-below in float32 NumPy for everything onnxruntime does not take (mixed and
-non-8-bit dtypes, non-finite scales). Each check runs on every implementation
+rounding and scales by ratios of the scales, so it may differ by one at and near
+ties: A1 and A2 in docs/numerics.md, "Oracle deviations"), and the documented
+formula written out below in float32 NumPy for everything onnxruntime does not
+take (mixed and non-8-bit dtypes, non-finite scales). Each check runs on every implementation
 (``quant_testing.IMPLEMENTATIONS``; Pallas, in interpret mode on CPU, on fewer
 random shapes), except the compiled-HLO checks of XLA's fusion.
 """
@@ -122,7 +122,8 @@ def test_matches_onnxruntime_qlinear_add_within_one(implementation):
   """Random data, scales, zero points and broadcast shapes against onnxruntime.
 
   onnxruntime adds the output zero point before rounding, so it may differ by
-  one where the quotient is an exact .5 tie (rare with random float scales).
+  one where the quotient is an exact .5 tie (rare with random float scales), and
+  its scale ratios move a few quotients within an ulp or two of a tie (A2).
   """
   rng = np.random.default_rng(2024)
   configurations = [_broadcastable_shapes(rng) for _ in range(40)]
@@ -179,6 +180,22 @@ def test_onnxruntime_ties_differ_by_exactly_one(implementation):
     difference = actual - run_qlinear_add(*args)
     assert set(np.unique(difference)) <= {-1, 0, 1}
     assert np.count_nonzero(difference) > 100
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("size", [1, 64])  # its tail path, and its vector loop
+def test_a2_onnxruntime_scales_by_ratios_near_ties(size, implementation):
+  """A2: onnxruntime's x86 kernel multiplies by a_scale / out_scale and b_scale /
+  out_scale instead of dividing the sum, and so rounds differently near a tie,
+  with an output zero point of 0 too: the sum / out_scale is 106.499954 here
+  (106), its ratios give 106.5 or more, and it returns 107."""
+  a, b = np.full(size, 111, np.uint8), np.full(size, 144, np.uint8)
+  args = (a, np.float32(0.16684815), np.uint8(252), b, np.float32(0.17479742), np.uint8(3),
+          np.float32(0.010524378), np.uint8(0))
+  expected = np.full(size, 106, np.uint8)
+  assert_bits_equal(reference_add(*args, np.uint8), expected)
+  assert_bits_equal(jq.quantized_add(*args, implementation=implementation), expected)
+  assert_bits_equal(run_qlinear_add(*args), expected + 1)
 
 
 # --- dtypes (a, b and the output may each be int8 or uint8, and more) -----------------------
