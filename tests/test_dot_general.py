@@ -318,24 +318,26 @@ def test_conv_weight_only_other_layout_and_gradient():
 
 
 
-# The eight drop-ins as a layer calls them (quant_testing.model_calls), float and stored kernels.
-DROP_INS = [name for name in model_calls() if name.startswith(("dot_general", "conv_general"))]
+# The matmul ops and the eight drop-ins as a layer calls them (quant_testing.model_calls):
+# scales and zero points per row, per column or blocked; float and stored kernels.
+LAYER_CALLS = list(model_calls())
 # vmap of a float convolution over kernels too is a grouped convolution, which XLA:CPU sums
 # in another order than one convolution per example (lax's own does, measured): those map x.
 FLOAT_CONVOLUTIONS = ("conv_general_dilated_weight_only", "conv_general_dilated_fake_quant")
 
 
-@pytest.mark.parametrize("name", DROP_INS)
+@pytest.mark.parametrize("name", LAYER_CALLS)
 def test_x64_gives_x32_dtypes_and_bits(name):
   assert_same_under_x64(*model_calls()[name])
 
 
-@pytest.mark.parametrize("name", DROP_INS)
+@pytest.mark.parametrize("name", LAYER_CALLS)
 def test_vmap_over_every_argument_is_a_loop(name):
-  """Kernels, stored ones and static scales mapped too, as for a stack of layers."""
+  """Scales, zero points, kernels (stored ones too) mapped, as for a stack of layers."""
   function, args = model_calls(0)[name]
   in_axes = [0] + [None if name in FLOAT_CONVOLUTIONS else 0] * (len(args) - 1)
   assert_vmap_is_a_loop(function, [args, model_calls(1)[name][1]], in_axes)
+
 
 def test_replace_ops_duck_typed_and_by_path():
   class Layer:

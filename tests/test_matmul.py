@@ -15,10 +15,7 @@ import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
 from quant_testing import assert_bits_equal
-from quant_testing import assert_same_under_x64
-from quant_testing import assert_vmap_is_a_loop
 from quant_testing import entry_work
-from quant_testing import model_calls
 from quant_testing import spec_nbits_weight
 from quant_testing import summation_bound
 from quant_testing import wrap_int32
@@ -527,23 +524,6 @@ def test_call_styles(k):
   exact = (q.astype(np.int64) - 7) @ (w.astype(np.int64) + 3)
   np.testing.assert_array_equal(exported.call(q, w, np.uint8(7), np.int8(-3)), wrap_int32(exact))
   np.testing.assert_array_equal(jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)), wrap_int32(exact))
-
-
-# Each op with per-row, per-column or blocked scales and zero points (quant_testing.model_calls).
-MATMUL_OPS = ("matmul_integer", "qlinear_matmul", "matmul_nbits",
-              "quantized_dot_general integer", "quantized_dot_general float")
-
-
-@pytest.mark.parametrize("name", MATMUL_OPS)
-def test_x64_gives_x32_dtypes_and_bits(name):
-  assert_same_under_x64(*model_calls()[name])
-
-
-@pytest.mark.parametrize("name", MATMUL_OPS)
-def test_vmap_over_every_argument_is_a_loop(name):
-  """Scales and zero points mapped too, as for a stack of layers."""
-  function, args = model_calls(0)[name]
-  assert_vmap_is_a_loop(function, [args, model_calls(1)[name][1]], [0] * len(args))
 
 
 @pytest.mark.parametrize("k", [16, 4100])
