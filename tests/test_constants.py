@@ -83,6 +83,31 @@ def test_quantize_linear(layout, implementation):
   _assert_all_equal(_three_ways(op, x, scale), expected)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("packed", [False, True], ids=["int8", "packed int4"])
+@pytest.mark.parametrize("layout", ["per-tensor", "per-axis", "blocked"])
+def test_dequantize_linear(layout, packed, implementation):
+  # A stored weight dequantized inside jit is the weight-only layer's first step.
+  scale, options = _scales(layout)
+  full = _broadcast(scale, layout)
+  rng = np.random.default_rng(5)
+  low, high = (-8, 8) if packed else (-128, 128)
+  codes = rng.integers(low, high, (32, 64))
+  zero_point = rng.integers(low, high, np.shape(scale))
+  expected = ((codes - _broadcast(zero_point, layout)) * full).astype(np.float32)
+  if packed:
+    x = np.asarray(jq.pack(codes.astype(jnp.int4)))
+    zero_point = zero_point.astype(jnp.int4)
+    options = {**options, "packed_shape": codes.shape}
+  else:
+    x, zero_point = codes.astype(np.int8), zero_point.astype(np.int8)
+
+  def op(x, scale):
+    return jq.dequantize_linear(x, scale, zero_point, implementation=implementation, **options)
+
+  _assert_all_equal(_three_ways(op, x, scale), expected)
+
+
 @pytest.mark.parametrize("layout", ["per-tensor", "per-axis", "blocked"])
 def test_fake_quantize(layout):
   scale, options = _scales(layout)
