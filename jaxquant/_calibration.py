@@ -58,7 +58,7 @@ def init_observer(*, momentum: float | None = None, bins: int = 1024) -> Observe
     momentum: ``None``: ``low``/``high`` are the running min and max; a
       float in [0, 1): they are moving averages,
       ``low = momentum * low + (1 - momentum) * min(x)`` (the first batch
-      taken as is).
+      taken as is; a batch of NaNs changes nothing).
     bins: histogram bins, for the ``"percentile"`` and ``"mse"`` methods.
 
   Returns:
@@ -130,10 +130,13 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
   if state.momentum is None:
     new_low, new_high = jnp.minimum(state.low, low), jnp.maximum(state.high, high)
   else:
+    # A batch of NaNs has no values (its min and max are +-inf): it would wipe out
+    # the average. Count batches with values, not batches, for the first one.
     m = np.float32(state.momentum)
-    first = state.count == 0
-    new_low = jnp.where(first, low, m * state.low + (1 - m) * low)
-    new_high = jnp.where(first, high, m * state.high + (1 - m) * high)
+    values, first = low <= high, ~(state.low <= state.high)
+    new_low = jnp.where(values, jnp.where(first, low, m * state.low + (1 - m) * low), state.low)
+    new_high = jnp.where(
+        values, jnp.where(first, high, m * state.high + (1 - m) * high), state.high)
   magnitude = jnp.abs(x).reshape(-1)
   finite = ~jnp.isnan(magnitude)
   new_range = jnp.maximum(state.histogram_range, jnp.max(jnp.where(finite, magnitude, 0)))
@@ -208,7 +211,7 @@ def observer_qparams(
     :func:`choose_qparams`'s ratios of the largest ``|x|``, of least
     expected squared error over the histogram.
 
-  A state that saw nothing, or only zeros, gives scale 1.
+  A state that saw nothing (or only NaNs), or only zeros, gives scale 1.
 
   Args:
     state: an :class:`Observer`.
@@ -234,8 +237,10 @@ def observer_qparams(
     Array(0.02362205, dtype=float32)
   """
   info = _dtypes.quantized_dtype("dtype", dtype)
-  low = jnp.where(state.count > 0, state.low, 0)
-  high = jnp.where(state.count > 0, state.high, 0)
+  # Nothing seen, or only NaNs: low and high are still +inf and -inf.
+  seen = state.low <= state.high
+  low = jnp.where(seen, state.low, 0)
+  high = jnp.where(seen, state.high, 0)
   if method == "minmax":
     return _dynamic._asymmetric_parameters(low, high, info=info)
   if method == "percentile":

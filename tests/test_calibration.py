@@ -98,6 +98,32 @@ def test_empty_observer_gives_scale_one():
     assert scale == 1, method
 
 
+NAN_BATCH = np.full((2, 3), np.nan, np.float32)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.5])
+@pytest.mark.parametrize("order", ["first", "between", "last"])
+def test_a_batch_of_nans_leaves_the_range_as_it_was(momentum, order):
+  """NaNs are ignored: a batch of nothing else is observed as no values at all."""
+  batches = {"first": [NAN_BATCH] + BATCHES[:2], "between": [BATCHES[0], NAN_BATCH, BATCHES[1]],
+             "last": BATCHES[:2] + [NAN_BATCH]}[order]
+  state = _observed(batches, momentum=momentum)
+  expected = _observed(BATCHES[:2], momentum=momentum)
+  np.testing.assert_array_equal(state.low, expected.low)
+  np.testing.assert_array_equal(state.high, expected.high)
+  assert state.count == 3
+
+
+@pytest.mark.parametrize("method", ["minmax", "absmax", "qmax_plus_half", "percentile", "mse"])
+def test_an_observer_of_nans_only_gives_an_empty_one_s_qparams(method):
+  state = _observed([NAN_BATCH, NAN_BATCH], momentum=0.5)
+  scale, zero_point = jq.observer_qparams(state, jnp.int8, method=method)
+  expected_scale, expected_zero_point = jq.observer_qparams(jq.init_observer(), jnp.int8,
+                                                            method=method)
+  assert scale == expected_scale == 1
+  assert zero_point == expected_zero_point
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: jq.init_observer(momentum=1.0), ValueError, "momentum"),
     (lambda: jq.init_observer(bins=1), ValueError, "bins"),
