@@ -237,9 +237,14 @@ def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> Qu
     # when a row fills whole bytes).
     layout = "rows" if _splits_minor_dim(value) else "flat"
     values = _packing.pack(values, dtype=info.dtype if info.as_codes else None, layout=layout)
+  # dequantize_linear returns float32 at the widest: a float64 weight (NumPy's,
+  # which JAX reads as float32, or any under x64) dequantizes to float32.
+  output_dtype = np.dtype(value.dtype)
+  if output_dtype not in _dtypes.OUTPUT_FLOAT_DTYPES:
+    output_dtype = np.dtype(np.float32)
   return QuantizedArray(
       values, scale, zero_point, info.dtype, tuple(value.shape), axis, block_size, packed,
-      np.dtype(value.dtype),
+      output_dtype,
   )
 
 

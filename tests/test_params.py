@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from quant_testing import assert_bits_equal
 from quant_testing import run_on_cpu_devices
 
 KEY = jax.random.key(0)
@@ -142,6 +143,21 @@ def test_learnable_then_quantize_params_deploys_bit_for_bit(rule):
     if isinstance(fake_leaf, jq.FakeQuantizedArray):
       assert isinstance(leaf, jq.QuantizedArray) and leaf.dtype == np.dtype(rule.dtype)
       np.testing.assert_array_equal(leaf.dequantize(), fake_leaf.dequantize())
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_numpy_float64_weights_quantize_as_jax_reads_them(learnable):
+  """A float64 NumPy weight (np.load, a converted checkpoint) is the float32 array JAX makes of it."""
+  w = np.asarray(PARAMS["encoder"]["kernel"], np.float64)
+  rule = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32)
+  quantized = jq.quantize_params({"w": w}, rule, learnable=learnable)
+  deployed = jq.dequantize_params(jq.quantize_params(quantized))["w"]
+  scale, _ = jq.choose_qparams(w.astype(np.float32), jnp.int4, axis=0, block_size=32)
+  expected = jq.fake_quantize(w.astype(np.float32), scale, dtype=jnp.int4, axis=0, block_size=32)
+  if learnable:
+    expected = jq.dequantize_params(quantized)["w"]
+  assert deployed.dtype == expected.dtype == jnp.float32
+  assert_bits_equal(deployed, expected)
 
 
 def test_savez_round_trip_bit_identical(tmp_path):
