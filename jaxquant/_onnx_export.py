@@ -190,7 +190,8 @@ def export_onnx(
       initializers.append(
           onnx.numpy_helper.from_array(np.asarray(weight.zero_point), "w_zero_point"))
       inputs.append("w_zero_point")
-    attributes = {} if scale.size == 1 else {"axis": weight.axis}
+    # axis even for one scale: a single block is still blocked along it.
+    attributes = {} if weight.axis is None else {"axis": weight.axis}
     if weight.block_size:
       attributes["block_size"] = weight.block_size
     nodes.append(helper.make_node("DequantizeLinear", inputs, ["w"], **attributes))

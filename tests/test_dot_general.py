@@ -419,6 +419,21 @@ def test_export_qdq_dequantizes_bit_for_bit_in_onnxruntime(rule):
   np.testing.assert_array_equal(y, xw + BIAS)
 
 
+@pytest.mark.parametrize("shape, rule", [
+    ((16, 1), jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32)),   # a 1-output head
+    ((16, 1), jq.QuantizationRule(dtype=jnp.uint2, method="minmax", axis=0, block_size=16)),
+    ((1, 3), jq.QuantizationRule(dtype=jnp.int8, axis=-1, block_size=4)),
+], ids=["int4-head", "uint2-head", "int8-row"])
+def test_export_keeps_the_axis_of_a_single_block(shape, rule):
+  """One block, one scale: still a blocked DequantizeLinear, along the weight's axis."""
+  weight = jq.quantize_params(W[:shape[0], :shape[1]], rule)
+  assert weight.scale.size == 1
+  model = jq.export_onnx(weight)
+  onnx.checker.check_model(model)
+  _, w = _run_onnxruntime(model, X[:, :shape[0]], outputs=("w",))
+  np.testing.assert_array_equal(w, weight.dequantize())
+
+
 def test_export_reads_the_row_layout_of_a_sharded_weight():
   flat = jq.quantize_params(W[:, :7], jq.QuantizationRule(dtype=jnp.int4))  # odd rows: padded
   codes = jq.unpack(flat.values, flat.shape, flat.dtype)
