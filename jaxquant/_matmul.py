@@ -6,6 +6,7 @@ MatMulNBits, and the general :func:`quantized_dot_general` they build on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
 import operator
@@ -281,6 +282,22 @@ def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
   return _depth_as_batch(dot, lhs, rhs, dimension_numbers, _even_depth(depth, depth_limit))
 
 
+def _split_dims(x: jax.Array) -> frozenset[int]:
+  """The dims of ``x`` split over an explicit mesh's axes (none under automatic sharding)."""
+  spec = jax.typeof(x).sharding.spec
+  return frozenset(d for d, axes in enumerate(spec)
+                   if axes is not None and axes is not jax.sharding.PartitionSpec.UNCONSTRAINED)
+
+
+def _ones_row(x: jax.Array, dims: Sequence[int]) -> jax.Array:
+  """Ones shaped like ``x`` with its ``dims`` of size 1, split like ``x`` elsewhere."""
+  sharding = jax.typeof(x).sharding
+  spec = [None if d in dims else axes for d, axes in enumerate(sharding.spec)]
+  shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+  return lax.full(shape, 1, x.dtype,
+                  sharding=sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
+
+
 def integer_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -310,20 +327,28 @@ def integer_dot(
   rhs, rhs_zero_point = _signed(rhs, rhs_zero_point, rhs_info)
   to_lhs = functools.partial(lhs_side.to_output, lhs=True, other_free=len(rhs_side.free))
   to_rhs = functools.partial(rhs_side.to_output, lhs=False, other_free=len(lhs_side.free))
-  if lhs_zero_point is not None and lhs_side.free:
+  # An explicit mesh's split of lhs is part of its type: a row appended along a split dim
+  # would straddle the devices' shards (a sharding error), so only whole dims take it.
+  whole = [d for d in lhs_side.free if d not in _split_dims(lhs)]
+  if lhs_zero_point is not None and whole:
     # rhs's sums over K are one more row of the product: a row of ones appended
     # along lhs's longest free dim, sliced off after. A separate reduction of rhs
     # would read it again, and XLA:CPU reduces a weight's columns slowly. A
     # symbolic dim (jax.export's batch) cannot be compared with the others: the
     # first one counts as the longest.
-    symbolic = [d for d in lhs_side.free if not isinstance(lhs.shape[d], int)]
-    row = symbolic[0] if symbolic else max(lhs_side.free, key=lambda d: lhs.shape[d])
+    symbolic = [d for d in whole if not isinstance(lhs.shape[d], int)]
+    row = symbolic[0] if symbolic else max(whole, key=lambda d: lhs.shape[d])
     rows = lhs.shape[row]
-    ones = jnp.ones(lhs.shape[:row] + (1,) + lhs.shape[row + 1:], lhs.dtype)
+    ones = _ones_row(lhs, (row,))
     product = _int8_dot(jnp.concatenate([lhs, ones], row), rhs, dimension_numbers)
     axis = len(lhs_side.batch) + lhs_side.free.index(row)
     accumulator = lax.slice_in_dim(product, 0, rows, axis=axis)
     rhs_sums = lax.slice_in_dim(product, rows, rows + 1, axis=axis)
+  elif lhs_zero_point is not None and lhs_side.free:
+    # Every free dim of lhs split over devices (data parallel on an explicit mesh):
+    # rhs's sums are their own product with one row of ones, split along K like lhs.
+    accumulator = _int8_dot(lhs, rhs, dimension_numbers)
+    rhs_sums = _int8_dot(_ones_row(lhs, lhs_side.free), rhs, dimension_numbers)
   else:
     accumulator = _int8_dot(lhs, rhs, dimension_numbers)
     if lhs_zero_point is not None:

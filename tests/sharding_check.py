@@ -218,9 +218,10 @@ def matmul_nbits_cases():
 
 
 def dot_general_cases():
-  """The dynamic int8 layer, 4096 deep (contracted in slices: docs/numerics.md), split
-  along K (row-parallel), along N (column-parallel) and along rows: int32 partials
-  added across devices are exact, and no device receives another's weight."""
+  """The dynamic and static int8 layers, 4096 deep (contracted in slices:
+  docs/numerics.md), split along K (row-parallel), along N (column-parallel) and
+  along rows: int32 partials added across devices are exact, and no device
+  receives another's weight."""
   k, n, rows = 4096, 64, 16
   mesh = make_mesh("1d")
   rng = np.random.default_rng(6)
@@ -228,7 +229,13 @@ def dot_general_cases():
   weight = jq.quantize_params(
       jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) / 64),
       jq.QuantizationRule(dtype=jnp.int8))
-  f = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, (((1,), (0,)), ((), ()))))
+  dimension_numbers = (((1,), (0,)), ((), ()))
+  layers = {
+      "dot_general_dynamic_int8": jax.jit(
+          lambda x, w: jq.dot_general_dynamic_int8(x, w, dimension_numbers)),
+      "dot_general_static_int8": jax.jit(lambda x, w: jq.dot_general_static_int8(
+          x, w, dimension_numbers, input_scale=0.02, input_zero_point=np.int8(-7))),
+  }
   for layout, x_spec, values_spec, scale_spec, out_spec in [
       ("K", P(None, "c"), P("c", None), P(), P()),
       ("N", P(), P(None, "c"), P("c"), P(None, "c")),
@@ -237,11 +244,12 @@ def dot_general_cases():
     arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), dataclasses.replace(
         weight, values=jax.device_put(weight.values, NamedSharding(mesh, values_spec)),
         scale=jax.device_put(weight.scale, NamedSharding(mesh, scale_spec))))
-    # Counted from a 16th of a weight shard: slices of K cut with lax.slice moved
-    # pieces of each shard between devices (collective-permutes of 128-256 rows).
-    report(f"jit 1d xla dot_general_dynamic_int8 {layout} -", f(*arguments), f(x, weight),
-           f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
-           weight.values.size // mesh.size // 16)
+    for name, f in layers.items():
+      # Counted from a 16th of a weight shard: slices of K cut with lax.slice moved
+      # pieces of each shard between devices (collective-permutes of 128-256 rows).
+      report(f"jit 1d xla {name} {layout} -", f(*arguments), f(x, weight),
+             f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
+             weight.values.size // mesh.size // 16)
 
 
 def conv_cases():
@@ -534,6 +542,45 @@ def explicit_mesh_packing_cases():
                         equal=refused, sharding=refused, collectives=None)), flush=True)
 
 
+def explicit_mesh_zero_point_cases():
+  """Integer matmuls with a zero point on a, a's rows split over an explicit mesh.
+
+  Under automatic sharding the row of ones appended to a's rows (rhs's sums
+  over K) moves a between devices (integer_matmul_cases); an explicit mesh's
+  split is part of a's type, so the row goes along a whole dim, or, where a
+  has none, rhs's sums are a product of their own: nothing moves.
+  """
+  mesh = make_mesh("1d", AxisType.Explicit)
+  rng = np.random.default_rng(9)
+  rows, depth, n = 16, 512, 64
+  a = rng.integers(0, 256, (rows, depth), np.uint8)
+  a_zero_point = rng.integers(0, 256, rows).astype(np.uint8)
+  b = rng.integers(-128, 128, (depth, n), np.int8)
+  x = rng.standard_normal((rows, depth)).astype(np.float32)
+  weight = jq.quantize_params(jnp.asarray(rng.standard_normal((depth, n)), jnp.float32) / 16,
+                              jq.QuantizationRule(dtype=jnp.int8))
+  static = jax.jit(lambda x, w: jq.dot_general_static_int8(
+      x, w, (((x.ndim - 1,), (0,)), ((), ())), input_scale=0.02, input_zero_point=np.int8(-7)))
+  qlinear_matmul = jax.jit(lambda a, a_zero_point, b: jq.qlinear_matmul(
+      a, np.float32(0.02), a_zero_point, b, np.float32(0.03), np.int8(5), np.float32(4.0),
+      np.uint8(128)))
+  for op, f, arguments, specs in [
+      ("matmul_integer", jax.jit(jq.matmul_integer), (a, b, a_zero_point),
+       (P("c", None), P(), P("c"))),
+      ("qlinear_matmul", qlinear_matmul, (a, a_zero_point, b), (P("c", None), P("c"), P())),
+      ("dot_general_static_int8", static, (x, weight), (P("c", None), None)),
+      # A batch of sequences split: the row goes along the whole sequence dim.
+      ("dot_general_static_int8(b,T)", static, (x.reshape(8, 2, depth), weight),
+       (P("c", None, None), None)),
+  ]:
+    sharded = [jax.device_put(argument, NamedSharding(mesh, spec)) if spec is not None
+               else argument for argument, spec in zip(arguments, specs)]
+    want = f(*arguments)
+    report(f"explicit 1d xla {op} rows -", f(*sharded), want,
+           f.lower(*sharded).compile().as_text(),
+           NamedSharding(mesh, P("c", *[None] * (want.ndim - 1))), want.size // mesh.size)
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   for mesh_name in MESHES:
@@ -546,3 +593,4 @@ if __name__ == "__main__":
   vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()
+  explicit_mesh_zero_point_cases()

@@ -55,7 +55,8 @@ def test_every_case_ran(cases):
   assert {"quantize_linear", "dequantize_linear", "dequantize_linear(packed",
           "fake_quantize", "fake_quantize_learnable", "dynamic_quantize_linear",
           "fake_quantize_dynamic", "quantized_add", "matmul_nbits",
-          "dot_general_dynamic_int8", "dot_general_weight_only", "matmul_integer",
+          "dot_general_dynamic_int8", "dot_general_static_int8", "dot_general_weight_only",
+          "matmul_integer",
           "qlinear_matmul", "quantized_dot_general", "conv_general_dilated_dynamic_int8",
           "conv_general_dilated_static_int8", "conv_general_dilated_weight_only",
           "conv_general_dilated_fake_quant"} <= ops, ops
@@ -104,7 +105,8 @@ def _windowed(name: str) -> bool:
 def _appends_to_split_rows(name: str) -> bool:
   """An integer matmul split along a's rows, with a zero point on a (every uint8 a)."""
   words = name.split()
-  return (words[0] == "jit" and words[3] in ("matmul_integer", "qlinear_matmul")
+  return (words[0] == "jit"
+          and words[3] in ("matmul_integer", "qlinear_matmul", "dot_general_static_int8")
           and words[4].startswith("rows") and "no-zero-point" not in words[4])
 
 
@@ -145,7 +147,8 @@ def test_blocks_cut_by_shards_exchange_halos_not_gathers(cases):
 
 @pytest.mark.slow
 def test_explicit_mesh_packs_rows_and_refuses_flat_across_shards(cases):
-  explicit = {name: case for name, case in cases.items() if name.startswith("explicit")}
+  explicit = {name: case for name, case in cases.items()
+              if name.startswith("explicit") and "pack" in name}
   assert len(explicit) == 2
   assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
 
@@ -204,6 +207,21 @@ def test_integer_matmul_split_along_rows_moves_a(cases):
   assert {name: [c for c in case["collectives"]
                  if not c.startswith(("all-to-all (s8[", "collective-permute s32["))]
           for name, case in split.items()} == {name: [] for name in split}
+
+
+@pytest.mark.slow
+def test_explicit_mesh_zero_point_moves_nothing(cases):
+  """The same zero points with a's rows split over an explicit mesh: no collective.
+
+  (A batch of sequences takes the row along its whole sequence dim; a lone
+  split rows dim, rhs's sums as their own product.) Before, the concatenation
+  across the split raised a ShardingTypeError.
+  """
+  explicit = {name: case for name, case in cases.items()
+              if name.startswith("explicit") and "pack" not in name}
+  assert len(explicit) == 4, explicit
+  assert all(case["equal"] and case["sharding"] and not case["collectives"]
+             for case in explicit.values()), explicit
 
 
 def _splits_k(name: str) -> bool:
