@@ -332,7 +332,10 @@ def calibrate(
   def step(states, batch):
     current.clear()
     current.update(states)
-    model(batch)
+    # A jitted function inside the model (jnp.einsum, which nnx.Einsum calls) traces
+    # its own scope, which an observer state cannot leave: run it inline instead.
+    with jax.disable_jit():
+      model(batch)
     return dict(current)
 
   states = {path: init_observer(momentum=momentum, bins=bins) for path in found}

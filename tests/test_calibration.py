@@ -197,3 +197,28 @@ def test_calibrate_restores_the_model_when_a_batch_fails():
   with pytest.raises(TypeError):
     jq.calibrate(model, [jnp.ones((2, 4, 4, 1), jnp.int32)])
   assert model.blocks[0].dot_general is original
+
+
+class _Einsum:
+  """nnx.Einsum's call: ``einsum_op(equation, x, kernel)``, jnp.einsum by default."""
+
+  def __init__(self, w):
+    self.kernel, self.einsum_op = w, jnp.einsum
+
+  def __call__(self, x):
+    return self.einsum_op("btd,dk->btk", x, self.kernel)
+
+
+def test_calibrate_observes_an_einsum_layer_s_input():
+  """jnp.einsum is jitted itself: its dot_general's input is observed from inside that trace."""
+  model = _Einsum(jax.random.normal(jax.random.key(4), (16, 3)))
+  batches = [b.reshape(2, -1, 16) for b in BATCHES[:2]]
+  ops = jq.calibrate(model, batches)
+  assert model.einsum_op is jnp.einsum
+  scale, zero_point = jq.observer_qparams(_observed(batches), jnp.int8)
+  np.testing.assert_array_equal(ops["dot_general"][""].keywords["input_scale"], scale)
+  np.testing.assert_array_equal(ops["dot_general"][""].keywords["input_zero_point"], zero_point)
+  assert jq.replace_ops(model, **ops) == [""]
+  np.testing.assert_array_equal(model(batches[0]), jq.dot_general_static_int8(
+      batches[0], model.kernel, (((2,), (0,)), ((), ())), input_scale=scale,
+      input_zero_point=zero_point))
