@@ -473,6 +473,16 @@ def spec_quantize(quotient, zero_point, qdtype, saturate=True):
   return quotient.astype(np.float32).astype(qdtype)
 
 
+def spec_fake_quantize(x, scale, zero_point, qdtype, axis, block_size) -> np.ndarray:
+  """x quantized at a float32 scale and dequantized by the documented formulas, in x's dtype."""
+  x = np.asarray(x)
+  full = lambda param: expand_scale(np.asarray(param), x.shape, axis, block_size)
+  scale = full(scale).astype(np.float32)
+  zero_point = None if zero_point is None else full(zero_point).astype(np.float64)
+  q = spec_quantize(ieee_quotient(x, scale, np.float32), zero_point, qdtype)
+  return spec_dequantize(q, scale, zero_point, x.dtype)
+
+
 def wrap_int32(x) -> np.ndarray:
   """Integers (exact, as int64) reduced to int32 as two's complement wraps them (ONNX's int32)."""
   return ((np.asarray(x, np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)

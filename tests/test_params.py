@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 import jaxquant as jq
 from quant_testing import assert_bits_equal
 from quant_testing import run_on_cpu_devices
+from quant_testing import spec_fake_quantize
 
 KEY = jax.random.key(0)
 PARAMS = {
@@ -32,9 +34,12 @@ LAYOUTS = [
 ]
 
 
+def _is_quantized(leaf):
+  return isinstance(leaf, (jq.QuantizedArray, jq.FakeQuantizedArray))
+
+
 def _leaves(tree):
-  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (jq.QuantizedArray,
-                                                                 jq.FakeQuantizedArray)))
+  return jax.tree.leaves(tree, is_leaf=_is_quantized)
 
 
 @pytest.mark.parametrize("rule", LAYOUTS, ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}")
@@ -74,6 +79,50 @@ def test_rules_first_match_wins_rank_and_dtype_filters():
   assert jq.dequantize_params(default)["head"]["kernel"].dtype == jnp.bfloat16
   again = jq.quantize_params(default, jq.QuantizationRule(dtype=jnp.int2))
   assert again["encoder"]["kernel"] is default["encoder"]["kernel"]     # quantized stays
+
+
+_RNG = np.random.default_rng(5)
+# Nested lists, tuples and None; 0-d, one-element and empty leaves; half-precision
+# kernels of odd lengths (ragged blocks, a packed byte stream ending mid-byte);
+# leaves that are not float arrays.
+ODD_TREE = {
+    "layers": [{"kernel": jnp.asarray(_RNG.normal(size=(5, 7)), jnp.float32)},
+               ({"kernel": jnp.asarray(_RNG.normal(size=(7, 3)), jnp.bfloat16)}, None)],
+    "head": (jnp.asarray(_RNG.normal(size=(3, 1)), jnp.float16),),
+    "gain": jnp.float32(-1.5), "one": jnp.full((1, 1), 0.3), "empty": jnp.zeros((0, 4)),
+    "step": jnp.int32(3), "mask": np.ones((2, 2), bool), "lr": 0.1, "name": "mlp",
+}
+ODD_RULES = [jq.QuantizationRule("layers|head", axis=-2, block_size=2),
+             jq.QuantizationRule(axis=None, min_ndim=0)]
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int4, jnp.uint2], ids=lambda d: d.__name__)
+def test_any_pytree_dequantizes_to_the_formula_and_keeps_other_leaves(dtype, learnable):
+  """Each matched leaf is round(w / s) * s at its rule's scale, bit for bit (NumPy's), in its own
+  dtype; with learnable=True so are the fake-quant forward and the deployed one, at moved scales."""
+  rules = [dataclasses.replace(rule, dtype=dtype) for rule in ODD_RULES]
+  quantized = jq.quantize_params(ODD_TREE, rules, learnable=learnable)
+  if learnable:
+    quantized = jax.tree.map(
+        lambda leaf: dataclasses.replace(leaf, scale=leaf.scale * 1.1)
+        if isinstance(leaf, jq.FakeQuantizedArray) else leaf, quantized, is_leaf=_is_quantized)
+  versions = [quantized, jq.quantize_params(quantized)] if learnable else [quantized]
+  for version in versions:
+    dequantized = jq.dequantize_params(version)
+    assert jax.tree.structure(dequantized) == jax.tree.structure(ODD_TREE)
+    for (path, leaf), original, stored in zip(
+        jax.tree_util.tree_leaves_with_path(dequantized), jax.tree.leaves(ODD_TREE),
+        jax.tree.leaves(quantized, is_leaf=_is_quantized)):
+      if not _is_quantized(stored):
+        assert leaf is original, path
+        continue
+      assert leaf.dtype == original.dtype and leaf.shape == original.shape, path
+      axis, block_size = stored.axis, stored.block_size
+      expected = spec_fake_quantize(original, stored.scale, getattr(stored, "zero_point", None),
+                                    dtype, axis, block_size)
+      assert_bits_equal(leaf, expected, jq._params.path_name(path))
+  assert sum(map(_is_quantized, jax.tree.leaves(quantized, is_leaf=_is_quantized))) == 6
 
 
 def test_path_names_cover_dicts_lists_and_attributes():
