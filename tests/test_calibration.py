@@ -31,12 +31,23 @@ def test_running_min_max_ignores_nan():
   assert state.histogram_range == np.abs(values).max()
 
 
-def test_moving_average():
-  state = _observed(BATCHES, momentum=0.9)
-  low = BATCHES[0].min()
-  for batch in BATCHES[1:]:
-    low = np.float32(0.9) * low + np.float32(1 - 0.9) * batch.min()
-  np.testing.assert_allclose(state.low, low, rtol=1e-6)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_moving_average(momentum):
+  """NumPy's float32 recurrence, over batches of different sizes in one jitted step (to an ulp:
+  XLA:CPU fuses m * low + (1 - m) * min(x) into a multiply-add)."""
+  batches = [batch[:rows] for batch, rows in zip(BATCHES, (32, 1, 7, 20))]
+  step = jax.jit(jq.observe)
+  state = jq.init_observer(momentum=momentum)
+  for batch in batches:
+    state = step(state, batch)
+  m = np.float32(momentum)
+  low, high = batches[0].min(), batches[0].max()
+  for batch in batches[1:]:
+    low = m * low + (np.float32(1) - m) * batch.min()
+    high = m * high + (np.float32(1) - m) * batch.max()
+  np.testing.assert_allclose(state.low, low, rtol=2 * np.finfo(np.float32).eps)
+  np.testing.assert_allclose(state.high, high, rtol=2 * np.finfo(np.float32).eps)
+  assert state.count == len(batches)
 
 
 def test_histogram_keeps_every_value_through_rebinning():
