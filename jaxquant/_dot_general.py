@@ -100,13 +100,35 @@ def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sh
                  lhs_scale, rhs_scale, lhs_zero_point=None):
   """:func:`quantized_dot_general` of the integer operands, in the result dtype."""
   compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
-  y = _matmul.quantized_dot_general(
-      lhs_values, rhs_values, dimension_numbers, lhs_scale=lhs_scale,
-      lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
-  ).astype(result_dtype)
-  if out_sharding is not None:
-    y = lax.with_sharding_constraint(y, out_sharding)
-  return y
+
+  def product(lhs_values, rhs_values, lhs_scale, rhs_scale, lhs_zero_point):
+    return _matmul.quantized_dot_general(
+        lhs_values, rhs_values, dimension_numbers, lhs_scale=lhs_scale,
+        lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
+    ).astype(result_dtype)
+
+  return _placed(product, out_sharding, lhs_values, rhs_values, lhs_scale, rhs_scale,
+                 lhs_zero_point)
+
+
+def _placed(contraction: Callable[..., jax.Array], out_sharding: Any,
+            *operands: Any) -> jax.Array:
+  """``contraction(*operands)``, its result placed by ``out_sharding`` as lax's own take it.
+
+  On an explicit mesh ``lax.dot_general`` needs ``out_sharding`` where
+  contracted dims are split, and an integer contraction is several dots (one
+  per platform, slices of a deep K, taps of a convolution) and sums: automatic
+  sharding places those (their int32 partials add exactly) and
+  ``out_sharding`` the result. Elsewhere it constrains the result.
+  """
+  if out_sharding is None:
+    return contraction(*operands)
+  meshes = [jax.typeof(x).sharding.mesh for x in jax.tree.leaves(operands)]
+  explicit = [mesh for mesh in [jax.sharding.get_abstract_mesh(), *meshes] if mesh.explicit_axes]
+  if not explicit:
+    return lax.with_sharding_constraint(contraction(*operands), out_sharding)
+  with jax.sharding.use_abstract_mesh(explicit[0]):
+    return jax.sharding.auto_axes(contraction, out_sharding=out_sharding)(*operands)
 
 
 def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.Array:
@@ -460,6 +482,9 @@ def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
 
 def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
                   numbers, arguments, preferred_element_type):
+  arguments = dict(arguments)
+  out_sharding = arguments.pop("out_sharding")
+
   def on_xla(lhs_values, rhs_values):
     return lax.conv_general_dilated(
         lhs_values, rhs_values, dimension_numbers=numbers,
@@ -469,9 +494,12 @@ def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
   def by_taps(lhs_values, rhs_values):
     return integer_conv_by_taps(lhs_values, rhs_values, numbers, **arguments)
 
-  # XLA:GPU cannot lower an integer convolution ("Can't lower one or more
-  # integer convolutions", jax 0.11.2, H100).
-  accumulator = lax.platform_dependent(lhs_values, rhs_values, cuda=by_taps, default=on_xla)
+  def convolution(lhs_values, rhs_values):
+    # XLA:GPU cannot lower an integer convolution ("Can't lower one or more
+    # integer convolutions", jax 0.11.2, H100).
+    return lax.platform_dependent(lhs_values, rhs_values, cuda=by_taps, default=on_xla)
+
+  accumulator = _placed(convolution, out_sharding, lhs_values, rhs_values)
   scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
   return (accumulator.astype(jnp.float32) * scale).astype(
       _result_dtype(lhs, rhs, preferred_element_type))

@@ -259,7 +259,25 @@ def apply_blockwise(
   Returns:
     ``formula``'s result, shaped like x.
   """
-  return formula(x, *expand_params(params, granularity, x.shape))
+  params = expand_params(params, granularity, x.shape)
+  return formula(x, *[None if p is None else _split_like(p, x) for p in params])
+
+
+def _split_like(param: jax.Array, x: jax.Array) -> jax.Array:
+  """``param`` split over an explicit mesh as x is, along the dims it spans whole.
+
+  On an explicit mesh a select takes only cases split alike, and an expanded
+  parameter (a reshape of blocks) comes out unsplit. Taking x's split is a
+  local slice; under automatic sharding (no split in x's type) nothing is done.
+  """
+  x_spec = jax.typeof(x).sharding.spec
+  if param.ndim != x.ndim or all(axes is None for axes in x_spec):
+    return param
+  spec = tuple(axes if n == length else None
+               for axes, n, length in zip(x_spec, param.shape, x.shape))
+  if tuple(jax.typeof(param).sharding.spec) == spec:
+    return param
+  return jax.sharding.reshard(param, jax.sharding.PartitionSpec(*spec))
 
 
 def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: int) -> bool:

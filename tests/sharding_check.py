@@ -542,13 +542,17 @@ def explicit_mesh_packing_cases():
                         equal=refused, sharding=refused, collectives=None)), flush=True)
 
 
-def explicit_mesh_zero_point_cases():
-  """Integer matmuls with a zero point on a, a's rows split over an explicit mesh.
+def explicit_mesh_layer_cases():
+  """Layers on an explicit mesh, where a split is part of an array's type.
 
-  Under automatic sharding the row of ones appended to a's rows (rhs's sums
-  over K) moves a between devices (integer_matmul_cases); an explicit mesh's
-  split is part of a's type, so the row goes along a whole dim, or, where a
-  has none, rhs's sums are a product of their own: nothing moves.
+  * A zero point on a (every uint8 a) with a's rows split: under automatic
+    sharding the row of ones appended to a's rows (rhs's sums over K) moves a
+    between devices (integer_matmul_cases); here the row goes along a whole
+    dim, or, where a has none, rhs's sums are a product of their own.
+  * The int8 drop-ins split along K (lax's out_sharding then required): the
+    integer product's dots and int32 sums are placed by automatic sharding.
+  * Blocked parameters expanded along a split dim take x's split (a select
+    takes only cases split alike).
   """
   mesh = make_mesh("1d", AxisType.Explicit)
   rng = np.random.default_rng(9)
@@ -559,26 +563,58 @@ def explicit_mesh_zero_point_cases():
   x = rng.standard_normal((rows, depth)).astype(np.float32)
   weight = jq.quantize_params(jnp.asarray(rng.standard_normal((depth, n)), jnp.float32) / 16,
                               jq.QuantizationRule(dtype=jnp.int8))
-  static = jax.jit(lambda x, w: jq.dot_general_static_int8(
-      x, w, (((x.ndim - 1,), (0,)), ((), ())), input_scale=0.02, input_zero_point=np.int8(-7)))
-  qlinear_matmul = jax.jit(lambda a, a_zero_point, b: jq.qlinear_matmul(
+  image = rng.standard_normal((2, 5, 5, 16)).astype(np.float32)
+  kernel = (rng.standard_normal((3, 3, 16, 8)) / 8).astype(np.float32)
+  # Blocks of 2 rows: a device's 2 rows are one block.
+  blocked_scale = rng.uniform(0.01, 0.05, (rows // 2, depth)).astype(np.float32)
+  blocked_zero_point = rng.integers(-8, 8, (rows // 2, depth)).astype(np.int8)
+  dense = lambda x: (((x.ndim - 1,), (0,)), ((), ()))
+  static = lambda x, w, **options: jq.dot_general_static_int8(
+      x, w, dense(x), input_scale=0.02, input_zero_point=np.int8(-7), **options)
+  dynamic = lambda x, w, **options: jq.dot_general_dynamic_int8(x, w, dense(x), **options)
+  conv = lambda x, w, **options: jq.conv_general_dilated_dynamic_int8(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), **options)
+  qlinear_matmul = lambda a, a_zero_point, b: jq.qlinear_matmul(
       a, np.float32(0.02), a_zero_point, b, np.float32(0.03), np.int8(5), np.float32(4.0),
-      np.uint8(128)))
-  for op, f, arguments, specs in [
-      ("matmul_integer", jax.jit(jq.matmul_integer), (a, b, a_zero_point),
-       (P("c", None), P(), P("c"))),
-      ("qlinear_matmul", qlinear_matmul, (a, a_zero_point, b), (P("c", None), P("c"), P())),
-      ("dot_general_static_int8", static, (x, weight), (P("c", None), None)),
+      np.uint8(128))
+  blocked = lambda x, s, z: jq.quantize_linear(x, s, z, axis=0, block_size=2)
+  replicated = P()
+  for op, f, arguments, specs, out_spec in [
+      ("matmul_integer rows", jq.matmul_integer, (a, b, a_zero_point),
+       (P("c", None), P(), P("c")), P("c", None)),
+      ("qlinear_matmul rows", qlinear_matmul, (a, a_zero_point, b),
+       (P("c", None), P("c"), P()), P("c", None)),
+      ("dot_general_static_int8 rows", static, (x, weight), (P("c", None), None), P("c", None)),
       # A batch of sequences split: the row goes along the whole sequence dim.
-      ("dot_general_static_int8(b,T)", static, (x.reshape(8, 2, depth), weight),
-       (P("c", None, None), None)),
+      ("dot_general_static_int8(b,T) rows", static, (x.reshape(8, 2, depth), weight),
+       (P("c", None, None), None), P("c", None, None)),
+      # Contracted dims split: lax's contractions then take out_sharding.
+      ("dot_general_dynamic_int8 K", dynamic, (x, jax.tree.map(np.asarray, weight)),
+       (P(None, "c"), P("c", None)), replicated),
+      ("dot_general_static_int8 K", static, (x, jax.tree.map(np.asarray, weight)),
+       (P(None, "c"), P("c", None)), replicated),
+      ("conv_general_dilated_dynamic_int8 C", conv, (image, kernel),
+       (P(None, None, None, "c"), P(None, None, "c", None)), replicated),
+      # Parameters whole on every device, expanded unsplit.
+      ("quantize_linear blocked rows", blocked, (x, blocked_scale, blocked_zero_point),
+       (P("c", None), P(), P()), P("c", None)),
   ]:
-    sharded = [jax.device_put(argument, NamedSharding(mesh, spec)) if spec is not None
-               else argument for argument, spec in zip(arguments, specs)]
-    want = f(*arguments)
-    report(f"explicit 1d xla {op} rows -", f(*sharded), want,
-           f.lower(*sharded).compile().as_text(),
-           NamedSharding(mesh, P("c", *[None] * (want.ndim - 1))), want.size // mesh.size)
+    def put(argument, spec):
+      if spec is None:
+        return argument
+      # A stored kernel's leaves: values split as given, its scale (per column) whole.
+      return jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(
+          mesh, spec if np.ndim(leaf) == len(spec) else P())), argument)
+
+    sharded = [put(argument, spec) for argument, spec in zip(arguments, specs)]
+    want = jax.jit(f)(*arguments)
+    if out_spec == replicated:
+      f = functools.partial(f, out_sharding=replicated)
+    with jax.set_mesh(mesh):
+      jitted = jax.jit(f)
+      got, compiled = jitted(*sharded), jitted.lower(*sharded).compile().as_text()
+    report(f"explicit 1d xla {op} -", got, want, compiled, NamedSharding(mesh, out_spec),
+           want.size // mesh.size)
 
 
 if __name__ == "__main__":
@@ -593,4 +629,4 @@ if __name__ == "__main__":
   vmap_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()
-  explicit_mesh_zero_point_cases()
+  explicit_mesh_layer_cases()

@@ -210,18 +210,29 @@ def test_integer_matmul_split_along_rows_moves_a(cases):
 
 
 @pytest.mark.slow
-def test_explicit_mesh_zero_point_moves_nothing(cases):
-  """The same zero points with a's rows split over an explicit mesh: no collective.
+def test_explicit_mesh_layers_move_no_operand(cases):
+  """Layers on an explicit mesh: one device's bits, the split kept, no operand moved.
 
-  (A batch of sequences takes the row along its whole sequence dim; a lone
-  split rows dim, rhs's sums as their own product.) Before, the concatenation
-  across the split raised a ShardingTypeError.
+  Integer matmuls with a zero point on a's split rows (before: a
+  ShardingTypeError from the row of ones appended across the split) and
+  blocked parameters with a zero point expanded against split rows (before:
+  "select cases must have the same shardings") move nothing. The int8
+  drop-ins split along K, given lax's out_sharding (before: the error that
+  out_sharding is needed, from their inner dots), add their int32 partial
+  products across devices: an all-reduce, which XLA may run as a
+  reduce-scatter and an all-gather of the int32 output.
   """
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" not in name}
-  assert len(explicit) == 4, explicit
-  assert all(case["equal"] and case["sharding"] and not case["collectives"]
-             for case in explicit.values()), explicit
+  assert len(explicit) == 8, explicit
+  assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
+  contracted_split = [name for name in explicit if name.endswith((" K -", " C -"))]
+  assert len(contracted_split) == 3, explicit
+  assert {name: case["collectives"] for name, case in explicit.items()
+          if name not in contracted_split and case["collectives"]} == {}
+  assert {name: [c for c in explicit[name]["collectives"]
+                 if not c.startswith("all-gather s32[")]
+          for name in contracted_split} == {name: [] for name in contracted_split}
 
 
 def _splits_k(name: str) -> bool:
