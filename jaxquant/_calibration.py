@@ -125,6 +125,12 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
   x = _dtypes.float_input("x", jnp.asarray(x)).astype(jnp.float32)
   if x.size == 0:
     return state
+  sharding = jax.typeof(x).sharding
+  if any(axes is not None for axes in sharding.spec):
+    # Split over an explicit mesh: the histogram flattens x and scatters into one
+    # histogram for all of it, which JAX's sharding types do not express; the
+    # statistics are of the whole batch anyway, so the batch is gathered.
+    x = jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
   axes = tuple(range(x.ndim))
   low, high = _dynamic._min_max(x, axes)
   if state.momentum is None:

@@ -553,6 +553,8 @@ def explicit_mesh_layer_cases():
     integer product's dots and int32 sums are placed by automatic sharding.
   * Blocked parameters expanded along a split dim take x's split (a select
     takes only cases split alike).
+  * An observer of a split batch gathers it (its histogram is one scatter over
+    the flattened batch).
   """
   mesh = make_mesh("1d", AxisType.Explicit)
   rng = np.random.default_rng(9)
@@ -578,6 +580,7 @@ def explicit_mesh_layer_cases():
       a, np.float32(0.02), a_zero_point, b, np.float32(0.03), np.int8(5), np.float32(4.0),
       np.uint8(128))
   blocked = lambda x, s, z: jq.quantize_linear(x, s, z, axis=0, block_size=2)
+  observed = lambda x: jq.observe(jq.init_observer(momentum=0.9), x)
   replicated = P()
   for op, f, arguments, specs, out_spec in [
       ("matmul_integer rows", jq.matmul_integer, (a, b, a_zero_point),
@@ -598,6 +601,9 @@ def explicit_mesh_layer_cases():
       # Parameters whole on every device, expanded unsplit.
       ("quantize_linear blocked rows", blocked, (x, blocked_scale, blocked_zero_point),
        (P("c", None), P(), P()), P("c", None)),
+      # A calibration batch split: the observer's statistics are of the whole batch.
+      ("observe rows", observed, (x,), (P("c", None),), replicated),
+      ("observe columns", observed, (x,), (P(None, "c"),), replicated),
   ]:
     def put(argument, spec):
       if spec is None:
@@ -608,13 +614,14 @@ def explicit_mesh_layer_cases():
 
     sharded = [put(argument, spec) for argument, spec in zip(arguments, specs)]
     want = jax.jit(f)(*arguments)
-    if out_spec == replicated:
+    if out_spec == replicated and not op.startswith("observe"):
       f = functools.partial(f, out_sharding=replicated)
     with jax.set_mesh(mesh):
       jitted = jax.jit(f)
       got, compiled = jitted(*sharded), jitted.lower(*sharded).compile().as_text()
+    # Counted from a shard of the activations: they, or a weight as large, moving show.
     report(f"explicit 1d xla {op} -", got, want, compiled, NamedSharding(mesh, out_spec),
-           want.size // mesh.size)
+           np.size(arguments[0]) // mesh.size)
 
 
 if __name__ == "__main__":
