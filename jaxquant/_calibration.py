@@ -18,6 +18,7 @@ from jaxquant import _dot_general
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _recipes
+from jaxquant import _sharding
 from jaxquant import _validate
 
 ObserverMethod = Literal["minmax", "absmax", "qmax_plus_half", "percentile", "mse"]
@@ -125,12 +126,9 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
   x = _dtypes.float_input("x", jnp.asarray(x)).astype(jnp.float32)
   if x.size == 0:
     return state
-  sharding = jax.typeof(x).sharding
-  if any(axes is not None for axes in sharding.spec):
-    # Split over an explicit mesh: the histogram flattens x and scatters into one
-    # histogram for all of it, which JAX's sharding types do not express; the
-    # statistics are of the whole batch anyway, so the batch is gathered.
-    x = jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
+  # The histogram flattens x and scatters it into one histogram, which an explicit
+  # mesh's split does not survive; the statistics are the whole batch's anyway.
+  x = _sharding.whole(x)
   axes = tuple(range(x.ndim))
   low, high = _dynamic._min_max(x, axes)
   if state.momentum is None:

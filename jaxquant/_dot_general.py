@@ -27,6 +27,7 @@ from jaxquant import _matmul
 from jaxquant import _packing
 from jaxquant import _params
 from jaxquant import _recipes
+from jaxquant import _sharding
 from jaxquant import _validate
 
 _INT8 = _dtypes.quantized_dtype("dtype", jnp.int8)
@@ -107,28 +108,8 @@ def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sh
         lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
     ).astype(result_dtype)
 
-  return _placed(product, out_sharding, lhs_values, rhs_values, lhs_scale, rhs_scale,
-                 lhs_zero_point)
-
-
-def _placed(contraction: Callable[..., jax.Array], out_sharding: Any,
-            *operands: Any) -> jax.Array:
-  """``contraction(*operands)``, its result placed by ``out_sharding`` as lax's own take it.
-
-  On an explicit mesh ``lax.dot_general`` needs ``out_sharding`` where
-  contracted dims are split, and an integer contraction is several dots (one
-  per platform, slices of a deep K, taps of a convolution) and sums: automatic
-  sharding places those (their int32 partials add exactly) and
-  ``out_sharding`` the result. Elsewhere it constrains the result.
-  """
-  if out_sharding is None:
-    return contraction(*operands)
-  meshes = [jax.typeof(x).sharding.mesh for x in jax.tree.leaves(operands)]
-  explicit = [mesh for mesh in [jax.sharding.get_abstract_mesh(), *meshes] if mesh.explicit_axes]
-  if not explicit:
-    return lax.with_sharding_constraint(contraction(*operands), out_sharding)
-  with jax.sharding.use_abstract_mesh(explicit[0]):
-    return jax.sharding.auto_axes(contraction, out_sharding=out_sharding)(*operands)
+  return _sharding.placed(product, out_sharding, lhs_values, rhs_values, lhs_scale,
+                          rhs_scale, lhs_zero_point)
 
 
 def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.Array:
@@ -499,7 +480,7 @@ def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
     # integer convolutions", jax 0.11.2, H100).
     return lax.platform_dependent(lhs_values, rhs_values, cuda=by_taps, default=on_xla)
 
-  accumulator = _placed(convolution, out_sharding, lhs_values, rhs_values)
+  accumulator = _sharding.placed(convolution, out_sharding, lhs_values, rhs_values)
   scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
   return (accumulator.astype(jnp.float32) * scale).astype(
       _result_dtype(lhs, rhs, preferred_element_type))

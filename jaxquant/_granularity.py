@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _numerics
+from jaxquant import _sharding
 from jaxquant import _validate
 
 Kind = Literal["per-tensor", "per-axis", "blocked", "block-wise broadcast"]
@@ -260,24 +261,7 @@ def apply_blockwise(
     ``formula``'s result, shaped like x.
   """
   params = expand_params(params, granularity, x.shape)
-  return formula(x, *[None if p is None else _split_like(p, x) for p in params])
-
-
-def _split_like(param: jax.Array, x: jax.Array) -> jax.Array:
-  """``param`` split over an explicit mesh as x is, along the dims it spans whole.
-
-  On an explicit mesh a select takes only cases split alike, and an expanded
-  parameter (a reshape of blocks) comes out unsplit. Taking x's split is a
-  local slice; under automatic sharding (no split in x's type) nothing is done.
-  """
-  x_spec = jax.typeof(x).sharding.spec
-  if param.ndim != x.ndim or all(axes is None for axes in x_spec):
-    return param
-  spec = tuple(axes if n == length else None
-               for axes, n, length in zip(x_spec, param.shape, x.shape))
-  if tuple(jax.typeof(param).sharding.spec) == spec:
-    return param
-  return jax.sharding.reshard(param, jax.sharding.PartitionSpec(*spec))
+  return formula(x, *[None if p is None else _sharding.split_like(p, x) for p in params])
 
 
 def packable(granularity: Granularity, shape: Sequence[int], elements_per_byte: int) -> bool:

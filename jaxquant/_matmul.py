@@ -6,7 +6,6 @@ MatMulNBits, and the general :func:`quantized_dot_general` they build on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
 import math
 import operator
@@ -26,6 +25,7 @@ from jaxquant import _linear
 from jaxquant import _numerics
 from jaxquant import _packing
 from jaxquant import _parameters
+from jaxquant import _sharding
 from jaxquant import _validate
 import pallas_kernels
 
@@ -282,22 +282,6 @@ def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
   return _depth_as_batch(dot, lhs, rhs, dimension_numbers, _even_depth(depth, depth_limit))
 
 
-def _split_dims(x: jax.Array) -> frozenset[int]:
-  """The dims of ``x`` split over an explicit mesh's axes (none under automatic sharding)."""
-  spec = jax.typeof(x).sharding.spec
-  return frozenset(d for d, axes in enumerate(spec)
-                   if axes is not None and axes is not jax.sharding.PartitionSpec.UNCONSTRAINED)
-
-
-def _ones_row(x: jax.Array, dims: Sequence[int]) -> jax.Array:
-  """Ones shaped like ``x`` with its ``dims`` of size 1, split like ``x`` elsewhere."""
-  sharding = jax.typeof(x).sharding
-  spec = [None if d in dims else axes for d, axes in enumerate(sharding.spec)]
-  shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
-  return lax.full(shape, 1, x.dtype,
-                  sharding=sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
-
-
 def integer_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -329,7 +313,7 @@ def integer_dot(
   to_rhs = functools.partial(rhs_side.to_output, lhs=False, other_free=len(lhs_side.free))
   # An explicit mesh's split of lhs is part of its type: a row appended along a split dim
   # would straddle the devices' shards (a sharding error), so only whole dims take it.
-  whole = [d for d in lhs_side.free if d not in _split_dims(lhs)]
+  whole = [d for d in lhs_side.free if d not in _sharding.split_dims(lhs)]
   if lhs_zero_point is not None and whole:
     # rhs's sums over K are one more row of the product: a row of ones appended
     # along lhs's longest free dim, sliced off after. A separate reduction of rhs
@@ -339,7 +323,7 @@ def integer_dot(
     symbolic = [d for d in whole if not isinstance(lhs.shape[d], int)]
     row = symbolic[0] if symbolic else max(whole, key=lambda d: lhs.shape[d])
     rows = lhs.shape[row]
-    ones = _ones_row(lhs, (row,))
+    ones = _sharding.ones_split_like(lhs, (row,))
     product = _int8_dot(jnp.concatenate([lhs, ones], row), rhs, dimension_numbers)
     axis = len(lhs_side.batch) + lhs_side.free.index(row)
     accumulator = lax.slice_in_dim(product, 0, rows, axis=axis)
@@ -348,7 +332,8 @@ def integer_dot(
     # Every free dim of lhs split over devices (data parallel on an explicit mesh):
     # rhs's sums are their own product with one row of ones, split along K like lhs.
     accumulator = _int8_dot(lhs, rhs, dimension_numbers)
-    rhs_sums = _int8_dot(_ones_row(lhs, lhs_side.free), rhs, dimension_numbers)
+    rhs_sums = _int8_dot(_sharding.ones_split_like(lhs, lhs_side.free), rhs,
+                        dimension_numbers)
   else:
     accumulator = _int8_dot(lhs, rhs, dimension_numbers)
     if lhs_zero_point is not None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxquant import _bind
 from jaxquant import _dtypes
+from jaxquant import _sharding
 from jaxquant import _validate
 
 # The dtype table's rows stored below a byte, narrowest first.
@@ -264,9 +265,9 @@ def _pack(x, *, dtype, bits=None, layout="flat"):
   codes = to_codes(x, info)
   # Under an explicit-sharding mesh, JAX refuses to flatten an array sharded
   # along a minor dim; name the layout that keeps that sharding instead.
-  spec = getattr(jax.typeof(x).sharding, "spec", ())
+  spec = jax.typeof(x).sharding.spec
   _validate.check(
-      layout == "rows" or not any(tuple(spec)[1:]), "x's sharding",
+      layout == "rows" or _sharding.split_dims(x) <= {0}, "x's sharding",
       "unsplit after the first dim for ONNX's flat layout, which runs across rows "
       "(pack(x, layout='rows') keeps the sharding)", spec,
   )
@@ -464,8 +465,7 @@ def unpacked_values(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike)
   static = all(isinstance(d, int) for d in (*packed.shape, *shape))
   # Under explicit sharding a split last dim would not survive the words'
   # reshapes: the bytes are then unpacked one stream group at a time.
-  spec = jax.typeof(packed).sharding.spec
-  split = len(spec) == packed.ndim and packed.ndim and spec[-1] is not None
+  split = packed.ndim - 1 in _sharding.split_dims(packed)
   if static and not split and info.is_integer and info.bits in (2, 4):
     per_row = math.prod(shape) if packed.ndim == 1 else shape[-1]
     if per_row * info.bits % 32 == 0:

@@ -1,0 +1,76 @@
+"""An array's split over an explicit mesh, as the ops read and keep it.
+
+On an explicit mesh (``jax.sharding.AxisType.Explicit``, ``jax.make_mesh``'s
+default) the split is part of an array's type, and JAX checks each
+operation's shardings while tracing: a concatenation, a select or a reshape
+across a split raises where automatic sharding would let XLA move data. Under
+automatic sharding every type reads as unsplit, and these helpers change
+nothing (docs/sharding.md, "Explicit meshes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+_P = jax.sharding.PartitionSpec
+
+
+def split_dims(x: jax.Array) -> frozenset[int]:
+  """The dims of ``x`` split over an explicit mesh's axes."""
+  return frozenset(d for d, axes in enumerate(jax.typeof(x).sharding.spec)
+                   if axes is not None and axes is not _P.UNCONSTRAINED)
+
+
+def whole(x: jax.Array) -> jax.Array:
+  """``x`` gathered whole on every device, where it is split."""
+  if not split_dims(x):
+    return x
+  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=_P()))
+
+
+def split_like(param: jax.Array, x: jax.Array) -> jax.Array:
+  """``param`` (x's rank) split as x is along the dims it spans whole: a local slice.
+
+  A select takes only operands split alike, and a parameter expanded over
+  blocks (a reshape) comes out unsplit.
+  """
+  if param.ndim != x.ndim or not split_dims(x):
+    return param
+  spec = tuple(axes if n == length else None for axes, n, length in zip(
+      jax.typeof(x).sharding.spec, param.shape, x.shape))
+  if tuple(jax.typeof(param).sharding.spec) == spec:
+    return param
+  return jax.sharding.reshard(param, _P(*spec))
+
+
+def ones_split_like(x: jax.Array, dims: Sequence[int]) -> jax.Array:
+  """Ones shaped like ``x`` with its ``dims`` of size 1, split like ``x`` elsewhere."""
+  sharding = jax.typeof(x).sharding
+  spec = [None if d in dims else axes for d, axes in enumerate(sharding.spec)]
+  shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+  return lax.full(shape, 1, x.dtype, sharding=sharding.update(spec=_P(*spec)))
+
+
+def placed(contraction: Callable[..., jax.Array], out_sharding: Any,
+           *operands: Any) -> jax.Array:
+  """``contraction(*operands)``, its result placed by ``out_sharding`` as lax's own take it.
+
+  On an explicit mesh ``lax.dot_general`` needs ``out_sharding`` where
+  contracted dims are split, and an integer contraction is several dots (one
+  per platform, slices of a deep K, taps of a convolution) and sums: automatic
+  sharding places those (their int32 partials add exactly) and
+  ``out_sharding`` the result. Elsewhere it constrains the result.
+  """
+  if out_sharding is None:
+    return contraction(*operands)
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      jax.typeof(x).sharding.mesh for x in jax.tree.leaves(operands)]
+  explicit = [mesh for mesh in meshes if mesh.explicit_axes]
+  if not explicit:
+    return lax.with_sharding_constraint(contraction(*operands), out_sharding)
+  with jax.sharding.use_abstract_mesh(explicit[0]):
+    return jax.sharding.auto_axes(contraction, out_sharding=out_sharding)(*operands)
