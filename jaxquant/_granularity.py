@@ -318,6 +318,12 @@ def reduce_windows(
   returned the padding alone for the last window (jax 0.10.2, 8 CPU devices).
   """
   windows = tuple(windows)
+  # On an explicit mesh, windows that the shards do not hold whole are reduced by
+  # automatic sharding, which exchanges their halos (docs/sharding.md, "Explicit meshes").
+  cut = [d for d in _sharding.split_dims(x)
+         if windows[d] > 1 and x.shape[d] % (windows[d] * _sharding.shards(x, d))]
+  if cut:
+    return _sharding.unsplit_along(lambda x: reduce_windows(x, combine, windows), x, cut)
   for d, (n, w) in enumerate(zip(x.shape, windows)):
     if n % w:
       whole = n - n % w

@@ -11,6 +11,7 @@ nothing (docs/sharding.md, "Explicit meshes").
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import math
 from typing import Any
 
 import jax
@@ -23,6 +24,16 @@ def split_dims(x: jax.Array) -> frozenset[int]:
   """The dims of ``x`` split over an explicit mesh's axes."""
   return frozenset(d for d, axes in enumerate(jax.typeof(x).sharding.spec)
                    if axes is not None and axes is not _P.UNCONSTRAINED)
+
+
+def shards(x: jax.Array, dim: int) -> int:
+  """How many pieces an explicit mesh splits ``x``'s ``dim`` into (1 where it is whole)."""
+  sharding = jax.typeof(x).sharding
+  axes = sharding.spec[dim] if dim < len(sharding.spec) else None
+  if axes is None or axes is _P.UNCONSTRAINED:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return math.prod(sharding.mesh.shape[axis] for axis in axes)
 
 
 def whole(x: jax.Array) -> jax.Array:
@@ -40,11 +51,12 @@ def split_like(param: jax.Array, x: jax.Array) -> jax.Array:
   """
   if param.ndim != x.ndim or not split_dims(x):
     return param
-  spec = tuple(axes if n == length else None for axes, n, length in zip(
-      jax.typeof(x).sharding.spec, param.shape, x.shape))
+  sharding = jax.typeof(x).sharding
+  spec = tuple(axes if n == length else None
+               for axes, n, length in zip(sharding.spec, param.shape, x.shape))
   if tuple(jax.typeof(param).sharding.spec) == spec:
     return param
-  return jax.sharding.reshard(param, _P(*spec))
+  return jax.sharding.reshard(param, sharding.update(spec=_P(*spec)))
 
 
 def ones_split_like(x: jax.Array, dims: Sequence[int]) -> jax.Array:
@@ -53,6 +65,23 @@ def ones_split_like(x: jax.Array, dims: Sequence[int]) -> jax.Array:
   spec = [None if d in dims else axes for d, axes in enumerate(sharding.spec)]
   shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
   return lax.full(shape, 1, x.dtype, sharding=sharding.update(spec=_P(*spec)))
+
+
+def unsplit_along(function: Callable[[jax.Array], jax.Array], x: jax.Array,
+                  dims: Sequence[int]) -> jax.Array:
+  """``function(x)`` (x's rank), by automatic sharding where x is split along ``dims``.
+
+  A reduction of windows along a split dim has a halo to exchange, and an
+  output an explicit mesh may not divide evenly (12 blocks over 8 devices);
+  automatic sharding exchanges the halo, and the result comes back split like
+  x but along ``dims``, where it is parameter-sized.
+  """
+  if not split_dims(x) & set(dims):
+    return function(x)
+  sharding = jax.typeof(x).sharding
+  spec = _P(*[None if d in dims else axes for d, axes in enumerate(sharding.spec)])
+  with jax.sharding.use_abstract_mesh(sharding.mesh):
+    return jax.sharding.auto_axes(function, out_sharding=sharding.update(spec=spec))(x)
 
 
 def placed(contraction: Callable[..., jax.Array], out_sharding: Any,
