@@ -30,10 +30,14 @@ import pytest
 # JAX's persistent cache keeps them on disk (keyed by the program, the
 # compiler and its options, so a changed op recompiles), and the next run
 # loads them. JAX_COMPILATION_CACHE_DIR moves it; JAX_ENABLE_COMPILATION_CACHE=false
-# turns it off.
+# turns it off. Each xdist worker has its own: JAX writes an entry without a lock
+# (unless the cache has a size limit, when every write scans the whole cache), so a
+# worker reading an entry another is writing got a truncated one (a warning, and a
+# compile again: seen in two full runs).
 if jax.config.jax_compilation_cache_dir is None:
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.join(tempfile.gettempdir(), "jaxquant-tests-xla-cache"))
+  jax.config.update("jax_compilation_cache_dir", os.path.join(
+      tempfile.gettempdir(), "jaxquant-tests-xla-cache",
+      os.environ.get("PYTEST_XDIST_WORKER", "main")))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # Parameters that pick how an op is called rather than what it computes.
