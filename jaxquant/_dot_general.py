@@ -462,10 +462,7 @@ def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
 
 
 def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
-                  numbers, arguments, preferred_element_type):
-  arguments = dict(arguments)
-  out_sharding = arguments.pop("out_sharding")
-
+                  numbers, arguments, preferred_element_type, out_sharding):
   def on_xla(lhs_values, rhs_values):
     return lax.conv_general_dilated(
         lhs_values, rhs_values, dimension_numbers=numbers,
@@ -490,7 +487,6 @@ def integer_conv_by_taps(
     lhs: jax.Array, rhs: jax.Array, numbers: lax.ConvDimensionNumbers, *,
     window_strides: Sequence[int], padding: Any, lhs_dilation: Sequence[int] | None,
     rhs_dilation: Sequence[int] | None, feature_group_count: int, batch_group_count: int,
-    out_sharding: Any = None,
 ) -> jax.Array:
   """``lax.conv_general_dilated`` of integer operands into int32, as one exact dot per tap.
 
@@ -542,10 +538,7 @@ def integer_conv_by_taps(
     product = jnp.moveaxis(product, 0, -2).reshape(product.shape[1], *out, outputs)
     total = product if total is None else total + product
   result = jnp.moveaxis(total, -1, 1)  # (N, O, *out)
-  result = jnp.transpose(result, np.argsort(numbers.out_spec))
-  if out_sharding is not None:
-    result = jax.sharding.reshard(result, out_sharding)
-  return result
+  return jnp.transpose(result, np.argsort(numbers.out_spec))
 
 
 def _value_bound(x: jax.Array) -> int:
@@ -721,12 +714,12 @@ def conv_general_dilated_dynamic_int8(
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
-      batch_group_count=batch_group_count, out_sharding=out_sharding,
+      batch_group_count=batch_group_count,
   )
   if batch_group_count > 1:
     lhs_scale = lhs_scale.reshape(1)
   return _integer_conv(lhs, rhs, lhs_values, lhs_scale.reshape(-1), rhs_values,
-                       rhs_scale, numbers, arguments, preferred_element_type)
+                       rhs_scale, numbers, arguments, preferred_element_type, out_sharding)
 
 
 @_validate.reports_as("conv_general_dilated_static_int8")
@@ -797,10 +790,10 @@ def conv_general_dilated_static_int8(
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
-      batch_group_count=batch_group_count, out_sharding=out_sharding,
+      batch_group_count=batch_group_count,
   )
   return _integer_conv(lhs, rhs, lhs_values, scale.reshape(1), rhs_values,
-                       rhs_scale, numbers, arguments, preferred_element_type)
+                       rhs_scale, numbers, arguments, preferred_element_type, out_sharding)
 
 
 @_validate.reports_as("conv_general_dilated_fake_quant")

@@ -28,19 +28,26 @@ def split_dims(x: jax.Array) -> frozenset[int]:
 
 def shards(x: jax.Array, dim: int) -> int:
   """How many pieces an explicit mesh splits ``x``'s ``dim`` into (1 where it is whole)."""
-  sharding = jax.typeof(x).sharding
-  axes = sharding.spec[dim] if dim < len(sharding.spec) else None
-  if axes is None or axes is _P.UNCONSTRAINED:
+  if dim not in split_dims(x):
     return 1
+  sharding = jax.typeof(x).sharding
+  axes = sharding.spec[dim]
   axes = (axes,) if isinstance(axes, str) else axes
   return math.prod(sharding.mesh.shape[axis] for axis in axes)
+
+
+def _unsplit(x: jax.Array, dims: Sequence[int]) -> jax.sharding.NamedSharding:
+  """x's sharding, with its ``dims`` whole."""
+  sharding = jax.typeof(x).sharding
+  return sharding.update(spec=_P(*[None if d in dims else axes
+                                   for d, axes in enumerate(sharding.spec)]))
 
 
 def whole(x: jax.Array) -> jax.Array:
   """``x`` gathered whole on every device, where it is split."""
   if not split_dims(x):
     return x
-  return jax.sharding.reshard(x, jax.typeof(x).sharding.update(spec=_P()))
+  return jax.sharding.reshard(x, _unsplit(x, range(x.ndim)))
 
 
 def split_like(param: jax.Array, x: jax.Array) -> jax.Array:
@@ -61,27 +68,22 @@ def split_like(param: jax.Array, x: jax.Array) -> jax.Array:
 
 def ones_split_like(x: jax.Array, dims: Sequence[int]) -> jax.Array:
   """Ones shaped like ``x`` with its ``dims`` of size 1, split like ``x`` elsewhere."""
-  sharding = jax.typeof(x).sharding
-  spec = [None if d in dims else axes for d, axes in enumerate(sharding.spec)]
   shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
-  return lax.full(shape, 1, x.dtype, sharding=sharding.update(spec=_P(*spec)))
+  return lax.full(shape, 1, x.dtype, sharding=_unsplit(x, dims))
 
 
 def unsplit_along(function: Callable[[jax.Array], jax.Array], x: jax.Array,
                   dims: Sequence[int]) -> jax.Array:
-  """``function(x)`` (x's rank), by automatic sharding where x is split along ``dims``.
+  """``function(x)`` (x's rank) by automatic sharding, x being split along ``dims``.
 
   A reduction of windows along a split dim has a halo to exchange, and an
   output an explicit mesh may not divide evenly (12 blocks over 8 devices);
   automatic sharding exchanges the halo, and the result comes back split like
   x but along ``dims``, where it is parameter-sized.
   """
-  if not split_dims(x) & set(dims):
-    return function(x)
-  sharding = jax.typeof(x).sharding
-  spec = _P(*[None if d in dims else axes for d, axes in enumerate(sharding.spec)])
-  with jax.sharding.use_abstract_mesh(sharding.mesh):
-    return jax.sharding.auto_axes(function, out_sharding=sharding.update(spec=spec))(x)
+  out_sharding = _unsplit(x, dims)
+  with jax.sharding.use_abstract_mesh(out_sharding.mesh):
+    return jax.sharding.auto_axes(function, out_sharding=out_sharding)(x)
 
 
 def placed(contraction: Callable[..., jax.Array], out_sharding: Any,
