@@ -589,6 +589,14 @@ def explicit_mesh_layer_cases():
   blocked = lambda x, s, z: jq.quantize_linear(x, s, z, axis=0, block_size=2)
   observed = lambda x: jq.observe(jq.init_observer(momentum=0.9), x)
   replicated = P()
+
+  def put(argument, spec):
+    if spec is None:
+      return argument
+    # A stored kernel's leaves: values split as given, its scale (per column) whole.
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(
+        mesh, spec if np.ndim(leaf) == len(spec) else P())), argument)
+
   for op, f, arguments, specs, out_spec in [
       ("matmul_integer rows", jq.matmul_integer, (a, b, a_zero_point),
        (P("c", None), P(), P("c")), P("c", None)),
@@ -612,16 +620,9 @@ def explicit_mesh_layer_cases():
       ("observe rows", observed, (x,), (P("c", None),), replicated),
       ("observe columns", observed, (x,), (P(None, "c"),), replicated),
   ]:
-    def put(argument, spec):
-      if spec is None:
-        return argument
-      # A stored kernel's leaves: values split as given, its scale (per column) whole.
-      return jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(
-          mesh, spec if np.ndim(leaf) == len(spec) else P())), argument)
-
     sharded = [put(argument, spec) for argument, spec in zip(arguments, specs)]
     want = jax.jit(f)(*arguments)
-    if out_spec == replicated and not op.startswith("observe"):
+    if op.endswith((" K", " C")):
       f = functools.partial(f, out_sharding=replicated)
     with jax.set_mesh(mesh):
       jitted = jax.jit(f)
