@@ -316,6 +316,8 @@ def reduce_windows(
   window is reduced apart from the whole ones rather than padded: given a
   padded ``reduce_window`` over a sharded dim, XLA's SPMD partitioner
   returned the padding alone for the last window (jax 0.10.2, 8 CPU devices).
+  Only a symbolic dim (``jax.export``), where the short window's start is
+  unknown, is padded.
   """
   windows = tuple(windows)
   # On an explicit mesh, windows that the shards do not hold whole are reduced by
@@ -325,6 +327,11 @@ def reduce_windows(
   if cut:
     return _sharding.unsplit_along(lambda x: reduce_windows(x, combine, windows), x, cut)
   for d, (n, w) in enumerate(zip(x.shape, windows)):
+    if export.is_symbolic_dim(n % w):
+      # A length known only at run time (jax.export) has no last whole window to cut
+      # at: the short one is padded with combine's identity instead.
+      padding = [(0, -(-n // w) * w - n if e == d else 0, 0) for e in range(x.ndim)]
+      return reduce_windows(lax.pad(x, _neutral(combine, x.dtype), padding), combine, windows)
     if n % w:
       whole = n - n % w
       tail = reduce_windows(
@@ -354,8 +361,13 @@ def _reduce_whole_windows_jvp(combine, windows, primals, tangents):
 
 def _windows(x, combine, windows, *, identity=lambda value: value):
   """``combine`` over whole non-overlapping ``windows``, from ``identity`` of its neutral value."""
-  neutral = np.array(np.inf if combine is lax.min else -np.inf, x.dtype)
-  return lax.reduce_window(x, identity(neutral), combine, windows, windows, "VALID")
+  return lax.reduce_window(
+      x, identity(_neutral(combine, x.dtype)), combine, windows, windows, "VALID")
+
+
+def _neutral(combine, dtype) -> np.ndarray:
+  """``combine``'s neutral value: +inf for ``lax.min``, -inf for ``lax.max``."""
+  return np.array(np.inf if combine is lax.min else -np.inf, dtype)
 
 
 def _replaced(shape: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:

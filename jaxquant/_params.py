@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import dataclasses
 import functools
+import math
 import re
 from typing import Any
 
@@ -259,10 +260,17 @@ def _learnable(leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
       "a symmetric recipe with learnable=True (the learned scale has zero point 0)",
       repr(rule.method),
   )
-  per_scale = max(1, int(np.prod(leaf.shape)) // max(1, scale.size))
+  # The LSQ gradient factor is static: under jax.export a symbolic dim must be one
+  # the scale keeps (per index of it, or in blocks along it), not one it covers.
+  per_scale = math.prod(leaf.shape) // (scale.size or 1)
+  _validate.check(
+      isinstance(per_scale, int), "rule.axis",
+      "one keeping every symbolic dim with learnable=True (the gradient factor "
+      "1/sqrt(elements per scale * qmax) is static)", f"{per_scale} elements per scale",
+  )
   return FakeQuantizedArray(
       leaf, scale, info.dtype, axis, rule.block_size, packed,
-      _fake.lsq_grad_factor(per_scale, dtype=info.dtype),
+      _fake.lsq_grad_factor(max(1, per_scale), dtype=info.dtype),
   )
 
 

@@ -6,6 +6,8 @@ the op's XLA evaluation called directly. Pallas ops also export for several
 platforms at once.
 """
 
+import dataclasses
+
 import jax
 from jax import export
 import jax.numpy as jnp
@@ -71,6 +73,9 @@ OPS = {
         x, dtype=jnp.int8, axis=1, implementation=i),
     "dynamic blocked": lambda x, i: jq.dynamic_quantize_linear(
         x, dtype=jnp.int8, axis=1, block_size=32, symmetric=True, implementation=i),
+    # Statistics of blocks along the batch: the last one short for batches of 2 and 7.
+    "dynamic blocked along the batch": lambda x, i: jq.dynamic_quantize_linear(
+        x, dtype=jnp.int8, axis=0, block_size=4, implementation=i),
     "quantized_add": lambda x, i: jq.quantized_add(
         jq.quantize_linear(x, 0.05, output_dtype=jnp.int8), 0.05, None,
         jq.quantize_linear(-x, 0.1, output_dtype=jnp.int8), 0.1, None, 0.07, implementation=i),
@@ -82,6 +87,17 @@ OPS = {
     "fake_quantize_learnable per-channel": lambda x, i: jq.fake_quantize_learnable(
         x, CHANNEL_SCALE, CHANNEL_SCALE * 100, axis=1),
     "fake_quantize_dynamic per-token": lambda x, i: jq.fake_quantize_dynamic(x, axis=0),
+    # Each statistic of the recipes: the batch kept (per row), reduced (per tensor, per
+    # column), in blocks across it (32 columns) and along it.
+    "choose_qparams absmax": lambda x, i: jq.choose_qparams(x),
+    "choose_qparams minmax per-row": lambda x, i: jq.choose_qparams(
+        x, jnp.uint8, axis=0, method="minmax"),
+    "choose_qparams percentile per-column": lambda x, i: jq.choose_qparams(
+        x, axis=1, method="percentile", percentile=99.0),
+    "choose_qparams mse blocked": lambda x, i: jq.choose_qparams(
+        x, jnp.int4, axis=1, block_size=32, method="mse"),
+    "choose_qparams qmax_plus_half blocked along the batch": lambda x, i: jq.choose_qparams(
+        x, jnp.int4, axis=0, block_size=4, method="qmax_plus_half"),
     # Zero points and scales per row: as long as the symbolic batch.
     "matmul_integer per-row": lambda x, i: jq.matmul_integer(
         _uint8(x), WEIGHT, jnp.full(x.shape[:1], 128, jnp.uint8), WEIGHT_ZERO_POINT),
@@ -91,7 +107,8 @@ OPS = {
 }
 # Ops with an implementation option: the others (fake quantization's is quantize's) have
 # only the XLA evaluation.
-KERNEL_OPS = [name for name in OPS if not name.startswith(("fake", "matmul", "qlinear"))]
+KERNEL_OPS = [name for name in OPS
+              if not name.startswith(("fake", "matmul", "qlinear", "choose"))]
 
 
 def _export(op, implementation, platforms=None, **kwargs):
@@ -302,3 +319,95 @@ def test_dynamic_gradients_export_with_a_symbolic_batch(name):
     want = gradient(x)
     assert np.any(np.asarray(want) != 0)
     assert_bits_equal(exported.call(x), want, f"batch {rows}")
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _assert_leaves_equal(got, want, message):
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want), message
+  for got_leaf, want_leaf in zip(got, want):
+    assert_bits_equal(got_leaf, want_leaf, message)
+
+
+@pytest.mark.parametrize("momentum", [0.9, None])
+def test_observe_exports_with_a_symbolic_batch(momentum):
+  """A calibration step on a batch of any size: the range and the histogram (rebinned as
+  the range grows, NaNs left out) bit for bit under jit, from a state that has seen a batch."""
+  update = jax.jit(jq.observe)
+  rng = np.random.default_rng(9)
+  state = update(jq.init_observer(momentum=momentum, bins=64),
+                 rng.normal(size=(6, FEATURES)).astype(np.float32))
+  (batch,) = export.symbolic_shape("b")
+  exported = export.export(update)(
+      _abstract(state), jax.ShapeDtypeStruct((batch, FEATURES), jnp.float32))
+  for rows in (1, 6):
+    x = (rng.normal(size=(rows, FEATURES)) * 4).astype(np.float32)
+    x[0, 0] = np.nan
+    got, want = exported.call(state, x), update(state, x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert np.any(np.asarray(want.histogram) != np.asarray(state.histogram))
+    for field in ("low", "high", "histogram", "histogram_range", "count"):
+      assert_bits_equal(getattr(got, field), getattr(want, field), f"{field}, batch {rows}")
+
+
+# A stack of layers (scanned, or experts), its length symbolic: int4 kernels in blocks of
+# 16 along their inputs (packed), uint8 gates with a zero point per output feature (over
+# every layer), biases float.
+STACKED_RULES = (jq.QuantizationRule("kernel", dtype=jnp.int4, axis=-2, block_size=16),
+                 jq.QuantizationRule("gate", dtype=jnp.uint8, method="minmax"))
+STACKED_SHAPES = {"kernel": (64, 32), "gate": (64, 8), "bias": (32,)}
+
+
+def _stacked(layers, seed):
+  rng = np.random.default_rng(seed)
+  return {name: rng.normal(size=(layers, *shape)).astype(np.float32)
+          for name, shape in STACKED_SHAPES.items()}
+
+
+def _stacked_abstract():
+  (layers,) = export.symbolic_shape("b")
+  return {name: jax.ShapeDtypeStruct((layers, *shape), jnp.float32)
+          for name, shape in STACKED_SHAPES.items()}
+
+
+@pytest.mark.slow
+def test_quantize_params_exports_for_a_symbolic_count_of_stacked_layers():
+  """The stored leaves and the dequantized tree bit for bit under jit.
+
+  A ``QuantizedArray``'s logical shape is static (aux data), so the tree an exported
+  program returns keeps the symbolic one (docs/models.md): dequantize inside the
+  program, or give the array its shape back.
+  """
+
+  def stored_and_dequantized(params):
+    stored = jq.quantize_params(params, STACKED_RULES)
+    return stored, jq.dequantize_params(stored)
+
+  function = jax.jit(stored_and_dequantized)
+  exported = export.export(function)(_stacked_abstract())
+  for layers in (1, 3):
+    params = _stacked(layers, layers)
+    got, want = exported.call(params), function(params)
+    _assert_leaves_equal(got, want, f"{layers} layers")
+    kernel = got[0]["kernel"]
+    assert export.is_symbolic_dim(kernel.shape[0]) and kernel.packed
+    assert_bits_equal(dataclasses.replace(kernel, shape=want[0]["kernel"].shape).dequantize(),
+                      want[1]["kernel"], f"{layers} layers")
+
+
+def test_learnable_parameters_export_where_each_scale_covers_a_static_count():
+  """LSQ's gradient factor is static: blocks of 16 inputs export; one scale per output
+  feature over every layer covers a symbolic count, refused by name."""
+  kernel = {"kernel": _stacked_abstract()["kernel"]}
+  learnable = jax.jit(lambda w, rule: jq.quantize_params(w, rule, learnable=True),
+                      static_argnums=1)
+  exported = export.export(learnable)(kernel, STACKED_RULES[0])
+  w = {"kernel": _stacked(3, 0)["kernel"]}
+  got, want = exported.call(w), learnable(w, STACKED_RULES[0])
+  assert got["kernel"].grad_factor == want["kernel"].grad_factor
+  _assert_leaves_equal(got, want, "blocks of 16")
+  with pytest.raises(ValueError, match="keeping every symbolic dim.* got 64\\*b elements"):
+    export.export(learnable)(kernel, jq.QuantizationRule(dtype=jnp.int4))
