@@ -24,6 +24,8 @@ Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--fea
       :class:`QuantizedArray` (``quantize_params``, ``axis=0, block_size=32``);
     - ``matmul_nbits``: onnxruntime's layout (uint4 codes, zero point 8), XLA;
     - ``jnp``: unpack the nibbles and dequantize with jnp, then ``x @ w``;
+    - ``dequantize alone``: jaxquant's first step by itself, writing the
+      float32 weight (no product), what weight-only costs beyond the dot;
     - ``onnxruntime``: a MatMulNBits node on the same bytes;
     - ``qwix`` (where it imports): W as qwix int4 in blocks of 32 along K,
       ``qwix.dot_general`` with float x.
@@ -206,6 +208,7 @@ def main() -> None:
   int4_weight = jq.quantize_params(
       w, jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=BLOCK))
   int4_layer = jax.jit(lambda x, w: jq.dot_general_weight_only(x, w, _DIMS))
+  int4_dequantize = jax.jit(lambda w: w.dequantize())
   int4_session, packed, nbits_layer, int4_by_hand = int4_blocked(weight)
   qwix_int8, qwix_int4 = _qwix_layers(weight) if qwix is not None else (None, None)
   batched_weight = jnp.asarray(
@@ -243,6 +246,7 @@ def main() -> None:
         "weight-only int4": {
             "float32": lambda: float32(x, w),
             "jaxquant": lambda: int4_layer(x, int4_weight),
+            "dequantize alone": lambda: int4_dequantize(int4_weight),
             "matmul_nbits": lambda: nbits_layer(x, packed),
             "jnp": lambda: int4_by_hand(x, packed),
             "onnxruntime": lambda: int4_session.run(None, {"x": x_host}),
