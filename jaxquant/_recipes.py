@@ -16,6 +16,7 @@ from jaxquant import _dynamic
 from jaxquant import _fake
 from jaxquant import _granularity
 from jaxquant import _numerics
+from jaxquant import _sharding
 from jaxquant import _validate
 
 Method = Literal["absmax", "qmax_plus_half", "minmax", "percentile", "mse"]
@@ -58,19 +59,38 @@ def _blocks(x: jax.Array, granularity: _granularity.Granularity) -> jax.Array:
   return jnp.moveaxis(x, axis + 1, -1)
 
 
+def _per_block(statistic, x, granularity):
+  """``statistic(x)``, shaped ``granularity.param_shape``, of each block of :func:`_blocks`.
+
+  That view merges dims that an explicit mesh may split, which its sharding
+  types refuse: there the statistic runs by automatic sharding, its result
+  split like x along the dims it keeps.
+  """
+  if not _sharding.split_dims(x):
+    return statistic(x)
+  reduced = [d for d, (p, n) in enumerate(zip(granularity.param_shape, x.shape)) if p != n]
+  return _sharding.unsplit_along(statistic, x, reduced)
+
+
 def _percentile(x, granularity, q):
-  # The sort writes its input out anyway; a closed-over x would be sorted at
-  # compile time (28 s for 256K elements, measured).
-  magnitude = _numerics.unfolded(jnp.abs(_blocks(x, granularity)))
-  if magnitude.shape[-1] == 0:
-    # An empty block has no percentile; its scale is 1, as for an all-zero one.
-    return jnp.zeros(granularity.param_shape, jnp.float32)
-  return jnp.nan_to_num(jnp.nanpercentile(magnitude, q, axis=-1))
+  def percentile(x):
+    # The sort writes its input out anyway; a closed-over x would be sorted at
+    # compile time (28 s for 256K elements, measured).
+    magnitude = _numerics.unfolded(jnp.abs(_blocks(x, granularity)))
+    if magnitude.shape[-1] == 0:
+      # An empty block has no percentile; its scale is 1, as for an all-zero one.
+      return jnp.zeros(granularity.param_shape, jnp.float32)
+    return jnp.nan_to_num(jnp.nanpercentile(magnitude, q, axis=-1))
+
+  return _per_block(percentile, x, granularity)
 
 
 def _squared_error(error, granularity):
-  error = _blocks(error, granularity)
-  return jnp.sum(jnp.where(jnp.isnan(error), 0, error) ** 2, axis=-1)
+  def squared(error):
+    error = _blocks(error, granularity)
+    return jnp.sum(jnp.where(jnp.isnan(error), 0, error) ** 2, axis=-1)
+
+  return _per_block(squared, error, granularity)
 
 
 def _check(arguments: dict) -> None:
@@ -197,9 +217,10 @@ def choose_qparams(
   scale = _magnitude_scale(magnitude * np.float32(clip_ratio), qmax)
   if method == "mse":
     scale = _mse_scale(x, magnitude * np.float32(clip_ratio), info, granularity, shape)
-  # XLA has no float6 type, and uint8 codes would read as a uint8 zero point.
-  zero_point = None if info.as_codes else jnp.zeros(shape, info.dtype)
-  return scale.reshape(shape), zero_point
+  scale = scale.reshape(shape)
+  # XLA has no float6 type, and uint8 codes would read as a uint8 zero point. Zeros
+  # like the scale are split as it is (on a mesh, the pair shards alike).
+  return scale, None if info.as_codes else jnp.zeros_like(scale, info.dtype)
 
 
 def _mse_scale(x, magnitude, info, granularity, shape):

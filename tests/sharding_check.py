@@ -632,6 +632,34 @@ def explicit_mesh_layer_cases():
            np.size(arguments[0]) // mesh.size)
 
 
+def choose_qparams_cases():
+  """choose_qparams by every method on the 1-D mesh, automatic and explicit: per tensor,
+  per column (the split dim) and in blocks of 32 columns (qmax_plus_half, absmax's
+  statistic, in blocks only). Automatic sharding places the symmetric recipes' zero
+  point, a constant of zeros, whole on every device: their scale alone is reported there
+  (on an explicit mesh the zeros are split as the scale)."""
+  columns, block_size = BLOCKED["aligned"]
+  x = (np.random.default_rng(12).standard_normal((ROWS, columns)) * 0.1).astype(np.float32)
+  for axis_type in (AxisType.Auto, AxisType.Explicit):
+    mesh = make_mesh("1d", axis_type)
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "c")))
+    for layout, options, out_spec in [
+        ("per-tensor", {}, P()), ("per-column", dict(axis=1), P("c")),
+        ("blocked", dict(axis=1, block_size=block_size), P(None, "c"))]:
+      for method in ("absmax", "qmax_plus_half", "minmax", "percentile", "mse"):
+        if method == "qmax_plus_half" and layout != "blocked":
+          continue
+        f = jax.jit(functools.partial(
+            jq.choose_qparams, dtype=jnp.uint8 if method == "minmax" else jnp.int4,
+            method=method, **options))
+        with jax.set_mesh(mesh):
+          got, compiled = f(xs), f.lower(xs).compile().as_text()
+        want = f(x)
+        if axis_type == AxisType.Auto and method != "minmax":
+          got, want = got[0], want[0]
+        report(f"choose_qparams {axis_type.name.lower()} 1d {method} {layout}", got, want,
+               compiled, NamedSharding(mesh, out_spec), x.size // mesh.size)
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   for mesh_name in MESHES:
@@ -646,3 +674,4 @@ if __name__ == "__main__":
   shard_map_cases()
   explicit_mesh_packing_cases()
   explicit_mesh_layer_cases()
+  choose_qparams_cases()

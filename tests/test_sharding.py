@@ -252,6 +252,29 @@ def test_typed_meshes_hold_what_automatic_ones_do(cases):
                    if _windowed(name) and " 1d " in name and "straddling" in name}, moved
 
 
+@pytest.mark.slow
+def test_choose_qparams_moves_nothing_where_shards_hold_whole_blocks(cases):
+  """Every method, per tensor, per column and in blocks, on automatic and explicit meshes.
+
+  One device's bits and the split kept. Where each shard holds whole blocks (its
+  columns; 32-column blocks of 256 columns on 8 devices) no float data moves:
+  percentile per column gathers only int32 indices of jnp.nanpercentile's gather
+  (3 a column). Per tensor, percentile's sort and mse's view of x as one block
+  gather x. On an explicit mesh percentile's blocks are found by automatic
+  sharding (before: ShardingTypeErrors) and its blocked scale comes back whole.
+  """
+  chosen = {name: case for name, case in cases.items() if name.startswith("choose_qparams")}
+  assert len(chosen) == 26, chosen
+  assert [name for name, case in chosen.items() if not case["equal"]] == []
+  assert [name for name, case in chosen.items() if not case["sharding"]] == [
+      "choose_qparams explicit 1d percentile blocked"]
+  moved = {name: case["collectives"] for name, case in chosen.items() if case["collectives"]}
+  assert {name.split(" ", 3)[3] for name in moved} == {
+      "percentile per-tensor", "mse per-tensor", "percentile per-column"}, moved
+  assert all(c.startswith("all-gather s32[") for name, collectives in moved.items()
+             if name.endswith("per-column") for c in collectives), moved
+
+
 def _splits_k(name: str) -> bool:
   """matmul_nbits with a split along K, the contracted dim."""
   return "matmul_nbits" in name and name.endswith(" K -")
