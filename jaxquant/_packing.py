@@ -272,7 +272,16 @@ def _pack(x, *, dtype, bits=None, layout="flat"):
       "(pack(x, layout='rows') keeps the sharding)", spec,
   )
   if layout == "rows" and codes.ndim > 1:
-    return along_rows(functools.partial(pack_codes, bits=info.bits), codes)
+    rows = functools.partial(along_rows, functools.partial(pack_codes, bits=info.bits))
+    last = codes.ndim - 1
+    if last not in _sharding.split_dims(codes):
+      return rows(codes)
+    # Split rows pack in words that a shard need not hold whole (6 int4 values
+    # a shard: 12 words over 8 devices), and where a shard edge cuts a byte no
+    # split of the bytes is even: automatic sharding packs them, the bytes
+    # split like x where every shard holds whole bytes, else whole along rows.
+    cut = codes.shape[last] // _sharding.shards(codes, last) * info.bits % 8
+    return _sharding.unsplit_along(rows, codes, [last] if cut else [])
   return pack_codes(codes, info.bits)
 
 

@@ -74,12 +74,13 @@ def ones_split_like(x: jax.Array, dims: Sequence[int]) -> jax.Array:
 
 def unsplit_along(function: Callable[[jax.Array], jax.Array], x: jax.Array,
                   dims: Sequence[int]) -> jax.Array:
-  """``function(x)`` (x's rank) by automatic sharding, x being split along ``dims``.
+  """``function(x)`` (x's rank) by automatic sharding, split like x but along ``dims``.
 
-  A reduction of windows along a split dim has a halo to exchange, and an
-  output an explicit mesh may not divide evenly (12 blocks over 8 devices);
-  automatic sharding exchanges the halo, and the result comes back split like
-  x but along ``dims``, where it is parameter-sized.
+  For what an explicit mesh cannot type along a split dim: a reduction of
+  windows there has a halo to exchange and an output that need not divide
+  evenly (12 blocks over 8 devices), rows packed there have bytes that a
+  shard edge may cut. Automatic sharding moves what that takes, and the
+  result comes back split like x, whole along ``dims``.
   """
   out_sharding = _unsplit(x, dims)
   with jax.sharding.use_abstract_mesh(out_sharding.mesh):

@@ -148,8 +148,10 @@ def _sharded(
   dims are replicated (a parameter's size), and every device runs ``run`` on
   its own shards: the kernel built for the local shapes. A dim that does not
   split evenly (or, for a packed operand, into whole bytes) is replicated
-  instead: the same bits, at the cost of gathering that dim. On one device,
-  inside ``shard_map`` and for symbolic shapes the call is ``run`` itself.
+  instead: the same bits, at the cost of gathering that dim. On an explicit
+  mesh the call is partitioned so too, under ``jax.sharding.auto_axes``, its
+  results typed as split here. On one device, inside ``shard_map`` and for
+  symbolic shapes the call is ``run`` itself.
   Under ``vmap`` the batch is one more leading dim of every operand (size 1
   where unbatched), partitioned alike.
 
@@ -288,7 +290,18 @@ def _sharded(
         blocks=(1, *blocks), reduced=(False, *reduced), combine=combine, fill=fill)
     return outputs, tuple(True for _ in outputs)
 
-  return tuple(batchable(*arrays))
+  explicit = [mesh for mesh in (jax.typeof(a).sharding.mesh for a in arrays)
+              if mesh.explicit_axes]
+  if not explicit:
+    return tuple(batchable(*arrays))
+  # An explicit mesh types every array the call traces, and the block view's
+  # reshapes need not split evenly (12 blocks over 8 devices): the call runs
+  # under automatic sharding, partitioned by the rule above, and its results
+  # come back typed as that rule splits them.
+  mesh = explicit[0]
+  out_sharding = result_shardings(mesh, split_axes(mesh, [jax.typeof(a) for a in arrays]))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return tuple(jax.sharding.auto_axes(batchable, out_sharding=out_sharding)(*arrays))
 
 
 def _shard_index(mesh, names: tuple[str, ...]) -> jax.Array:

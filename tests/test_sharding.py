@@ -164,9 +164,20 @@ def test_inside_shard_map_with_default_options(cases):
 
 @pytest.mark.slow
 def test_packed_rows_cut_by_a_shard_edge_gather(cases):
-  """An XLA case that moves data: a byte split between two shards."""
-  cut = [case for name, case in cases.items() if _cuts_bytes(name)]
-  assert cut and all(case["collectives"] and case["equal"] for case in cut)
+  """Cases that move data: a byte split between two shards, one device's bits.
+
+  Automatic sharding gathers the bytes (and, for the kernel, its float
+  output). On an explicit mesh (before: a ShardingTypeError at the packing's
+  reshape) no even split holds the bytes, so they are packed by automatic
+  sharding and typed whole along the rows: their gathers are all that moves,
+  and each device dequantizes whole rows, the output whole like them.
+  """
+  cut = {name: case for name, case in cases.items() if _cuts_bytes(name)}
+  assert {name.split()[0] for name in cut} == {"jit", "typed"}, cut
+  assert all(case["collectives"] and case["equal"] for case in cut.values()), cut
+  typed = {name: case["collectives"] for name, case in cut.items() if name.startswith("typed")}
+  assert {name: [c for c in collectives if not c.startswith("all-gather u8[")]
+          for name, collectives in typed.items()} == {name: [] for name in typed}
 
 
 @pytest.mark.slow
@@ -233,23 +244,28 @@ def test_explicit_mesh_layers_move_no_operand(cases):
 
 @pytest.mark.slow
 def test_typed_meshes_hold_what_automatic_ones_do(cases):
-  """Every element-wise op and layout of the jit cases on explicit meshes (XLA).
+  """Every element-wise op and layout of the jit cases on explicit meshes, both paths.
 
   One device's bits and x's sharding everywhere (before: ShardingTypeErrors
-  from blocked parameters expanded unsplit and from block statistics whose
-  windows the shards cut). Windows of dynamic statistics that the shards cut
-  are reduced by automatic sharding: halos where 25 columns a shard end in a
+  from blocked parameters expanded unsplit, from block statistics whose
+  windows the shards cut, and from the kernels' block views where shards
+  cut blocks). Windows of XLA's dynamic statistics that the shards cut are
+  reduced by automatic sharding: halos where 25 columns a shard end in a
   short block (ragged), x gathered where shards hold 1.5 blocks of 16
-  (straddling; automatic sharding alone exchanges halos there). Nothing else
-  moves.
+  (straddling; automatic sharding alone exchanges halos there). The kernels
+  are partitioned as under automatic sharding and move nothing; nothing
+  else moves but packed bytes cut by a shard edge (above).
   """
-  typed = {name: case for name, case in cases.items() if name.startswith("typed")}
-  assert len(typed) >= 60, len(typed)
+  typed = {name: case for name, case in cases.items()
+           if name.startswith("typed") and not _cuts_bytes(name)}
+  assert len(typed) >= 110, len(typed)
+  assert {(name.split()[1], name.split()[2]) for name in typed} >= {
+      (mesh, implementation) for mesh in ("1d", "2d") for implementation in ("xla", "pallas")}
   assert all(case["equal"] and case["sharding"] for case in typed.values()), [
       name for name, case in typed.items() if not (case["equal"] and case["sharding"])]
   moved = {name for name, case in typed.items() if case["collectives"]}
-  assert moved == {name for name in typed
-                   if _windowed(name) and " 1d " in name and "straddling" in name}, moved
+  assert moved == {name for name in typed if " xla " in name and _windowed(name)
+                   and " 1d " in name and "straddling" in name}, moved
 
 
 @pytest.mark.slow
