@@ -17,6 +17,7 @@ from jaxquant import _dispatch
 from jaxquant import _dtypes
 from jaxquant import _granularity
 from jaxquant import _numerics
+from jaxquant import _sharding
 from jaxquant import _validate
 import pallas_kernels
 
@@ -40,8 +41,18 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
     result = plain(prepare(x))
     has_nan = functools.reduce(
         jnp.logical_or, [jnp.any(jnp.isnan(r)) for r in jax.tree.leaves(result)])
-    return lax.cond(
-        has_nan, lambda x: nan_aware(prepare(_numerics.unfolded(x))), lambda _: result, x)
+
+    def chosen(x, result, has_nan):
+      return lax.cond(
+          has_nan, lambda x: nan_aware(prepare(_numerics.unfolded(x))), lambda _: result, x)
+
+    if not _sharding.split_dims(x):
+      return chosen(x, result, has_nan)
+    # Under vmap the predicate is batched and the cond a select of x, whose
+    # broadcast predicate an explicit mesh types unsplit (jax 0.10.2): the
+    # choice runs by automatic sharding, its results typed as plain's.
+    return _sharding.placed(
+        chosen, jax.tree.map(lambda r: jax.typeof(r).sharding, result), x, result, has_nan)
 
   return lax.platform_dependent(
       x, cpu=plain_unless_nan,

@@ -87,15 +87,16 @@ def unsplit_along(function: Callable[[jax.Array], jax.Array], x: jax.Array,
     return jax.sharding.auto_axes(function, out_sharding=out_sharding)(x)
 
 
-def placed(contraction: Callable[..., jax.Array], out_sharding: Any,
-           *operands: Any) -> jax.Array:
+def placed(contraction: Callable[..., Any], out_sharding: Any, *operands: Any) -> Any:
   """``contraction(*operands)``, its result placed by ``out_sharding`` as lax's own take it.
 
   On an explicit mesh ``lax.dot_general`` needs ``out_sharding`` where
   contracted dims are split, and an integer contraction is several dots (one
   per platform, slices of a deep K, taps of a convolution) and sums: automatic
   sharding places those (their int32 partials add exactly) and
-  ``out_sharding`` the result. Elsewhere it constrains the result.
+  ``out_sharding`` the result. Elsewhere it constrains the result. Any
+  function whose intermediates an explicit mesh cannot type is run so too,
+  ``out_sharding`` a pytree like its result.
   """
   if out_sharding is None:
     return contraction(*operands)

@@ -450,24 +450,39 @@ def weight_only_cases():
 
 
 def vmap_cases():
-  """vmap over a leading dim of x: the kernels' batch is one more partitioned dim."""
-  mesh = make_mesh("2d")
-  spec = P("r", None, "c")
-  x_sharding = NamedSharding(mesh, spec)
+  """vmap over a leading dim of x: the kernels' batch is one more partitioned dim.
+
+  On the explicit mesh (``typed``) also the dynamic statistics per tensor and per
+  axis, x split along the vmapped dim and a dim each example keeps: their NaN
+  ``cond`` is a select under vmap, which an explicit mesh types.
+  """
   columns, block_size = BLOCKED["aligned"]
   rng = np.random.default_rng(11)
   x = (rng.standard_normal((4, ROWS, columns)) * 0.1).astype(np.float32)
+  x[1, 2, 3] = np.nan  # one example takes the NaN-aware statistics, the others not
   s, _, kw = layouts(columns, block_size)["blocked"]
-  xs = jax.device_put(x, x_sharding)
-  for implementation in ("xla", "pallas"):
-    for name, op in [
-        ("vmap(quantize_linear)", lambda x: jq.quantize_linear(
-            x, s, **kw, output_dtype=jnp.int8, implementation=implementation)),
-        ("vmap(dynamic_quantize_linear)", lambda x: jq.dynamic_quantize_linear(
-            x, **kw, implementation=implementation))]:
-      f = jax.jit(jax.vmap(op))
-      report(f"jit 2d {implementation} {name} blocked aligned", f(xs), f(x),
-             f.lower(xs).compile().as_text(), x_sharding, x.size // mesh.size)
+  for axis_type in (AxisType.Auto, AxisType.Explicit):
+    mesh = make_mesh("2d", axis_type)
+    x_sharding = NamedSharding(mesh, P("r", None, "c"))
+    xs = jax.device_put(x, x_sharding)
+    prefix = "typed" if axis_type == AxisType.Explicit else "jit"
+    for implementation in ("xla", "pallas"):
+      cases = [
+          ("vmap(quantize_linear)", "blocked", lambda x: jq.quantize_linear(
+              x, s, **kw, output_dtype=jnp.int8, implementation=implementation)),
+          ("vmap(dynamic_quantize_linear)", "blocked", lambda x: jq.dynamic_quantize_linear(
+              x, **kw, implementation=implementation))]
+      for layout, layout_kw in [("per-tensor", {}), ("per-axis", dict(axis=0))]:
+        if axis_type == AxisType.Explicit:
+          cases.append(("vmap(dynamic_quantize_linear)", layout, functools.partial(
+              jq.dynamic_quantize_linear, **layout_kw, implementation=implementation)))
+        if axis_type == AxisType.Explicit and implementation == "xla":
+          cases.append(("vmap(fake_quantize_dynamic)", layout,
+                        functools.partial(jq.fake_quantize_dynamic, **layout_kw)))
+      for name, layout, op in cases:
+        f = jax.jit(jax.vmap(op))
+        report(f"{prefix} 2d {implementation} {name} {layout} aligned", f(xs), f(x),
+               f.lower(xs).compile().as_text(), x_sharding, x.size // mesh.size)
 
 
 def shard_map_cases():

@@ -249,7 +249,8 @@ def test_typed_meshes_hold_what_automatic_ones_do(cases):
   One device's bits and x's sharding everywhere (before: ShardingTypeErrors
   from blocked parameters expanded unsplit, from block statistics whose
   windows the shards cut, and from the kernels' block views where shards
-  cut blocks). Windows of XLA's dynamic statistics that the shards cut are
+  cut blocks, and from vmap of XLA's dynamic statistics, whose NaN cond became a
+  select of x). Windows of XLA's dynamic statistics that the shards cut are
   reduced by automatic sharding: halos where 25 columns a shard end in a
   short block (ragged), x gathered where shards hold 1.5 blocks of 16
   (straddling; automatic sharding alone exchanges halos there). The kernels
@@ -259,6 +260,8 @@ def test_typed_meshes_hold_what_automatic_ones_do(cases):
   typed = {name: case for name, case in cases.items()
            if name.startswith("typed") and not _cuts_bytes(name)}
   assert len(typed) >= 110, len(typed)
+  assert {"vmap(dynamic_quantize_linear)", "vmap(fake_quantize_dynamic)"} <= {
+      name.split()[3] for name in typed}
   assert {(name.split()[1], name.split()[2]) for name in typed} >= {
       (mesh, implementation) for mesh in ("1d", "2d") for implementation in ("xla", "pallas")}
   assert all(case["equal"] and case["sharding"] for case in typed.values()), [
