@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 from jax import lax
@@ -113,11 +113,20 @@ def from_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
   return lax.bitcast_convert_type(x.astype(_UNSIGNED[info.bits]), info.dtype)
 
 
-def pack_codes(x: jax.Array, bits: int) -> jax.Array:
-  """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened)."""
+def _static(shape: tuple[Any, ...]) -> bool:
+  return all(isinstance(d, int) for d in shape)
+
+
+def pack_codes(x: jax.Array, bits: int, *, static: bool | None = None) -> jax.Array:
+  """1-D bytes of the bit stream of uint8 codes ``x`` (any shape, flattened).
+
+  ``static``: whether the array x is part of has a static shape (default: x's
+  own); a row under :func:`along_rows`' vmap does not see the mapped dims.
+  """
   size = x.size
   # XLA cannot bitcast an array of symbolic shape (jax.export): the lanes then.
-  static = all(isinstance(d, int) for d in x.shape)
+  if static is None:
+    static = _static(x.shape)
   if bits in (2, 4) and static and size and x.ndim and x.shape[-1] % 4 == 0:
     # Four codes read as one uint32 and packed with shifts, all in contiguous
     # words: XLA:CPU vectorizes that, where the strided lanes x[:, i] below
@@ -272,7 +281,8 @@ def _pack(x, *, dtype, bits=None, layout="flat"):
       "(pack(x, layout='rows') keeps the sharding)", spec,
   )
   if layout == "rows" and codes.ndim > 1:
-    rows = functools.partial(along_rows, functools.partial(pack_codes, bits=info.bits))
+    rows = functools.partial(
+        along_rows, functools.partial(pack_codes, bits=info.bits, static=_static(codes.shape)))
     last = codes.ndim - 1
     if last not in _sharding.split_dims(codes):
       return rows(codes)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import operator
 import os
 import pathlib
 import re
@@ -153,6 +154,15 @@ def assert_bits_equal(actual: Any, expected: Any, message: str = "") -> None:
   nan = np.isnan(actual.astype(np.float32))
   np.testing.assert_array_equal(nan, np.isnan(expected.astype(np.float32)), err_msg=message)
   np.testing.assert_array_equal(bits(actual)[~nan], bits(expected)[~nan], err_msg=message)
+
+
+def assert_tree_bits_equal(actual: Any, expected: Any, message: str = "") -> None:
+  """:func:`assert_bits_equal` leaf by leaf of two pytrees of one structure."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), message
+  for actual_leaf, expected_leaf in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert_bits_equal(actual_leaf, expected_leaf, message)
 
 
 def assert_matches_oracle(actual, expected, *, context, inputs, deviating=None, spec=None):
@@ -706,9 +716,7 @@ def assert_same_under_x64(function, args) -> None:
   want = jax.jit(function)(*args)
   with jax.enable_x64(True):
     got = jax.jit(function)(*args)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert_bits_equal(got_leaf, want_leaf, "x64")
+  assert_tree_bits_equal(got, want, "x64")
 
 
 def assert_vmap_is_a_loop(function, examples, in_axes) -> None:
@@ -723,7 +731,8 @@ def assert_vmap_is_a_loop(function, examples, in_axes) -> None:
              for column, axis in zip(zip(*examples), in_axes)]
   mapped = jax.jit(jax.vmap(function, in_axes=tuple(in_axes)))(*stacked)
   for i, args in enumerate(examples):
-    assert_bits_equal(mapped[i], jax.jit(function)(*args), f"example {i}")
+    assert_tree_bits_equal(jax.tree.map(operator.itemgetter(i), mapped), jax.jit(function)(*args),
+                           f"example {i}")
 
 
 def elementwise_calls(seed: int = 0) -> dict[str, tuple[Any, tuple[Any, ...]]]:
@@ -745,6 +754,11 @@ def elementwise_calls(seed: int = 0) -> dict[str, tuple[Any, tuple[Any, ...]]]:
   blocked = dict(axis=1, block_size=16)
   int4 = jq.QuantizationRule(dtype=jnp.int4, axis=1, block_size=16)
   observed = lambda x, momentum: jq.observe(jq.init_observer(momentum=momentum), x)
+
+  def stored_and_dequantized(w):
+    stored = jq.quantize_params({"w": w}, int4)
+    return stored, jq.dequantize_params(stored)
+
   return {
       "quantize_linear per-axis": (lambda x, s, z: jq.quantize_linear(x, s, z, axis=1),
                                    (x, scale, zero_point)),
@@ -765,9 +779,13 @@ def elementwise_calls(seed: int = 0) -> dict[str, tuple[Any, tuple[Any, ...]]]:
       "fake_quantize_dynamic per-row": (lambda x: jq.fake_quantize_dynamic(x, axis=0), (x,)),
       "unpack int4": (lambda q: jq.unpack(jq.pack_int4(q.astype(jnp.int4)), q.shape, jnp.int4),
                       (codes // 16,)),
+      "pack int2 rows": (lambda q: jq.pack(q.astype(jnp.int2), layout="rows"), (codes // 64,)),
       "choose_qparams mse blocked": (
           lambda w: jq.choose_qparams(w, jnp.int4, method="mse", **blocked), (x,)),
-      "quantize_params int4": (lambda w: jq.quantize_params(w, int4).dequantize(), (x,)),
+      "choose_qparams percentile per-row": (
+          lambda w: jq.choose_qparams(w, axis=0, method="percentile"), (x,)),
+      "quantize_params and dequantize_params int4": (stored_and_dequantized, (x,)),
+      "observe moving average": (lambda x: observed(x, 0.9), (x,)),
       "observer_qparams moving average": (
           lambda x: jq.observer_qparams(observed(x, 0.9), jnp.uint8), (x,)),
       "observer_qparams percentile": (

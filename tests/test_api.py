@@ -13,6 +13,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import _linear
 from quant_testing import assert_same_under_x64
+from quant_testing import assert_vmap_is_a_loop
 from quant_testing import elementwise_calls
 
 PUBLIC = [getattr(jq, name) for name in jq.__all__]
@@ -81,6 +82,18 @@ def test_x64_gives_x32_dtypes_and_bits(name):
 
   The matmul ops and drop-ins: test_matmul.py and test_dot_general.py."""
   assert_same_under_x64(*elementwise_calls()[name])
+
+
+# The ops' own files map the others (test_linear.py, test_fake.py, test_dynamic.py, ...).
+@pytest.mark.parametrize("name", [
+    "unpack int4", "pack int2 rows", "choose_qparams mse blocked",
+    "choose_qparams percentile per-row", "quantize_params and dequantize_params int4",
+    "observer_qparams moving average", "observer_qparams percentile",
+])
+def test_vmap_is_a_loop(name):
+  """A batch of weights quantized, packed or stored, or of activations observed, at once."""
+  function, args = elementwise_calls(0)[name]
+  assert_vmap_is_a_loop(function, [args, elementwise_calls(1)[name][1]], [0] * len(args))
 
 def _error(call):
   with pytest.raises((TypeError, ValueError)) as info:

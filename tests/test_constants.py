@@ -20,6 +20,8 @@ import pytest
 
 import jaxquant as jq
 from quant_testing import assert_bits_equal
+from quant_testing import assert_tree_bits_equal
+from quant_testing import elementwise_calls
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import model_calls
 
@@ -224,3 +226,16 @@ def test_matmul_ops_and_drop_ins(name):
   traced = jax.jit(function)(x, *weights)
   assert_bits_equal(jax.jit(lambda x: function(x, *weights))(x), traced, "weights constant")
   assert_bits_equal(jax.jit(lambda: function(x, *weights))(), traced, "all constant")
+
+
+# The ops whose results no rounding tie above decides: packing, statistics, stored
+# parameters and observers, as quant_testing.elementwise_calls calls them.
+@pytest.mark.parametrize("name", [
+    "unpack int4", "pack int2 rows", "choose_qparams mse blocked",
+    "choose_qparams percentile per-row", "quantize_params and dequantize_params int4",
+    "observer_qparams moving average", "observer_qparams percentile",
+])
+def test_other_ops_closed_over(name):
+  function, args = elementwise_calls()[name]
+  assert_tree_bits_equal(jax.jit(lambda: function(*args))(), jax.jit(function)(*args),
+                         "all constant")

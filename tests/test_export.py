@@ -41,6 +41,9 @@ CHANNEL_ZERO_POINT = _CHANNEL_RNG.integers(-5, 5, FEATURES).astype(np.int8)
 WEIGHT = _CHANNEL_RNG.integers(-128, 128, (FEATURES, 8)).astype(np.int8)
 WEIGHT_SCALE = _CHANNEL_RNG.uniform(0.01, 0.02, 8).astype(np.float32)
 WEIGHT_ZERO_POINT = _CHANNEL_RNG.integers(-3, 3, 8).astype(np.int8)
+# MatMulNBits' (N, K / 16, 8) int4 codes of the transposed weight, scales per block.
+NBITS_CODES = _CHANNEL_RNG.integers(0, 256, (8, FEATURES // 16, 8)).astype(np.uint8)
+NBITS_SCALES = _CHANNEL_RNG.uniform(0.01, 0.02, (8, FEATURES // 16)).astype(np.float32)
 
 
 # Each op as a function of x and the implementation.
@@ -63,6 +66,10 @@ OPS = {
     "dequantize blocked": lambda x, i: jq.dequantize_linear(
         jq.quantize_linear(x, 0.05, output_dtype=jnp.int8), _blocked_scale(x), axis=1,
         block_size=32, implementation=i),
+    # Rows of a symbolic count packed one by one, and unpacked to a symbolic shape.
+    "pack rows then unpack": lambda x, i: jq.unpack(
+        jq.pack(jq.quantize_linear(x, 0.05, output_dtype=jnp.int4), layout="rows"), x.shape,
+        jnp.int4),
     "dequantize packed int4": lambda x, i: jq.dequantize_linear(
         jq.pack(jq.quantize_linear(x, 0.05, output_dtype=jnp.int4)), _blocked_scale(x),
         axis=1, block_size=32, packed_shape=x.shape, implementation=i),
@@ -104,11 +111,18 @@ OPS = {
     "qlinear_matmul per-row": lambda x, i: jq.qlinear_matmul(
         _uint8(x), jnp.full(x.shape[:1], 0.05), jnp.full(x.shape[:1], 128, jnp.uint8), WEIGHT,
         WEIGHT_SCALE, WEIGHT_ZERO_POINT, 0.5, np.uint8(3)),
+    "quantized_dot_general per-row": lambda x, i: jq.quantized_dot_general(
+        _uint8(x), WEIGHT, (((1,), (0,)), ((), ())), lhs_scale=jnp.full((x.shape[0], 1), 0.05),
+        lhs_zero_point=jnp.full((x.shape[0], 1), 128, jnp.uint8), rhs_scale=WEIGHT_SCALE[None],
+        rhs_zero_point=WEIGHT_ZERO_POINT[None]),
+    "matmul_nbits": lambda x, i: jq.matmul_nbits(
+        x, NBITS_CODES, NBITS_SCALES, None, None, K=FEATURES, N=8, block_size=16),
 }
 # Ops with an implementation option: the others (fake quantization's is quantize's) have
 # only the XLA evaluation.
 KERNEL_OPS = [name for name in OPS
-              if not name.startswith(("fake", "matmul", "qlinear", "choose"))]
+              if not name.startswith(("fake", "matmul", "qlinear", "choose", "pack",
+                                      "quantized_dot"))]
 
 
 def _export(op, implementation, platforms=None, **kwargs):
