@@ -35,27 +35,57 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
   closed-over x is a constant inside the ``cond``'s branch, which XLA would
   reduce while compiling (1.4 s for a million elements, measured), whether
   or not the branch ever runs. (``plain`` keeps its own reductions unfolded.)
+
+  Under ``vmap`` the predicate would be batched, and JAX would turn the
+  ``cond`` into a select that runs both branches for every example: the
+  batched call instead takes the NaN-aware branch only when some example has
+  a NaN, and keeps ``plain``'s statistics for the examples without one (the
+  same bits as example by example). Derivatives are those of the ``cond``.
   """
 
-  def plain_unless_nan(x):
-    result = plain(prepare(x))
-    has_nan = functools.reduce(
-        jnp.logical_or, [jnp.any(jnp.isnan(r)) for r in jax.tree.leaves(result)])
+  def redone(x):
+    return nan_aware(prepare(_numerics.unfolded(x)))
 
-    def chosen(x, result, has_nan):
-      return lax.cond(
-          has_nan, lambda x: nan_aware(prepare(_numerics.unfolded(x))), lambda _: result, x)
+  def where_nan(x, result, redo, batch_dims):
+    """``result``, with ``redo(x)``'s in its place where (per example) a NaN came out."""
+    nan = functools.reduce(jnp.logical_or, [
+        jnp.any(jnp.isnan(r), axis=tuple(range(batch_dims, r.ndim)))
+        for r in jax.tree.leaves(result)])
+
+    def chosen(x, result, nan):
+      def replaced(x):
+        return jax.tree.map(
+            lambda new, old: jnp.where(nan.reshape(nan.shape + (1,) * (old.ndim - nan.ndim)),
+                                       new, old),
+            redo(x), result)
+
+      return lax.cond(jnp.any(nan), replaced, lambda _: result, x)
 
     if not _sharding.split_dims(x):
-      return chosen(x, result, has_nan)
-    # Under vmap the predicate is batched and the cond a select of x, whose
-    # broadcast predicate an explicit mesh types unsplit (jax 0.10.2): the
-    # choice runs by automatic sharding, its results typed as plain's.
+      return chosen(x, result, nan)
+    # A batched predicate makes the cond a select of x, whose broadcast
+    # predicate an explicit mesh types unsplit (jax 0.10.2): the choice runs by
+    # automatic sharding, its results typed as plain's.
     return _sharding.placed(
-        chosen, jax.tree.map(lambda r: jax.typeof(r).sharding, result), x, result, has_nan)
+        chosen, jax.tree.map(lambda r: jax.typeof(r).sharding, result), x, result, nan)
 
+  def plain_unless_nan(x):
+    return where_nan(x, plain(prepare(x)), redone, 0)
+
+  @jax.custom_batching.custom_vmap
+  def batched_plain_unless_nan(x):
+    return plain_unless_nan(x)
+
+  @batched_plain_unless_nan.def_vmap
+  def _(axis_size, in_batched, x):
+    del axis_size, in_batched  # x, the one operand, batched along its leading dim
+    result = where_nan(x, jax.vmap(lambda x: plain(prepare(x)))(x), jax.vmap(redone), 1)
+    return result, jax.tree.map(lambda _: True, result)
+
+  on_cpu = jax.custom_jvp(batched_plain_unless_nan)
+  on_cpu.defjvp(lambda primals, tangents: jax.jvp(plain_unless_nan, primals, tangents))
   return lax.platform_dependent(
-      x, cpu=plain_unless_nan,
+      x, cpu=on_cpu,
       default=lambda x: nan_aware_in_one_pass(prepare(_numerics.unfolded(x))))
 
 

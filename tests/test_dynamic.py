@@ -24,6 +24,7 @@ import pytest
 
 import jaxquant as jq
 from quant_testing import assert_bits_equal
+from quant_testing import assert_vmap_is_a_loop
 from quant_testing import dtype_name
 from quant_testing import expand_scale
 from quant_testing import given_per_implementation
@@ -555,6 +556,27 @@ def test_one_nan_changes_only_its_own_slice(kwargs, implementation):
 
 
 # --- transformations --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(axis=1), dict(axis=1, block_size=4),
+                                    dict(dtype=jnp.int8, symmetric=True)],
+                         ids=["per-tensor", "per-axis", "blocked", "symmetric"])
+def test_vmap_redoes_the_statistics_only_for_examples_with_a_nan(kwargs):
+  """On XLA:CPU the statistics are plain reductions, redone NaN-aware where a NaN came
+  out. vmap keeps that choice a cond (before: a select running the NaN-aware reductions,
+  several times slower, for every example) and each example's own bits: one with a NaN,
+  one with infinities, one with neither, and their derivative."""
+  rng = np.random.default_rng(5)
+  examples = rng.standard_normal((3, 6, 8)).astype(np.float32)
+  examples[0, 2, 3] = np.nan
+  examples[1, 4, 1], examples[1, 0, 7] = np.inf, -np.inf
+  quantize = functools.partial(jq.dynamic_quantize_linear, implementation="xla", **kwargs)
+  fake = jax.grad(lambda x: jnp.sum(jnp.nan_to_num(jq.fake_quantize_dynamic(
+      x, **{k: v for k, v in kwargs.items() if k != "symmetric"}) * x)))
+  for function in (quantize, fake):
+    assert_vmap_is_a_loop(function, [[example] for example in examples], [0])
+  compiled = jax.jit(jax.vmap(quantize)).lower(examples).compile().as_text()
+  assert " conditional(" in compiled
 
 
 @pytest.mark.slow
