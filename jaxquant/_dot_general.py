@@ -296,6 +296,11 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
+def _trained(rhs: Any) -> Any:
+  """A :class:`FakeQuantizedArray` ``rhs`` dequantized (its LSQ gradient), else as given."""
+  return rhs.dequantize() if isinstance(rhs, _params.FakeQuantizedArray) else rhs
+
+
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
   """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
   if isinstance(rhs, _params.QuantizedArray):
@@ -397,7 +402,7 @@ def dot_general_weight_only(
 @_validate.reports_as("dot_general_fake_quant")
 def dot_general_fake_quant(
     lhs: ArrayLike,
-    rhs: ArrayLike,
+    rhs: Any,
     dimension_numbers: Any,
     precision: Any = None,
     preferred_element_type: Any = None,
@@ -416,7 +421,8 @@ def dot_general_fake_quant(
 
   Args:
     lhs: float activations.
-    rhs: float (fake-quantized) weights.
+    rhs: float (fake-quantized) weights, or a :class:`FakeQuantizedArray`
+      (dequantized here).
     dimension_numbers: as ``lax.dot_general``'s.
     precision: passed to ``lax.dot_general``.
     preferred_element_type: passed to ``lax.dot_general``.
@@ -438,7 +444,7 @@ def dot_general_fake_quant(
   (lhs_contracting, _), _ = dimension_numbers
   lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   return lax.dot_general(
-      _fake_quantize_int8(lhs, lhs_contracting), rhs, dimension_numbers, precision,
+      _fake_quantize_int8(lhs, lhs_contracting), _trained(rhs), dimension_numbers, precision,
       preferred_element_type, out_sharding=out_sharding,
   )
 
@@ -799,7 +805,7 @@ def conv_general_dilated_static_int8(
 @_validate.reports_as("conv_general_dilated_fake_quant")
 def conv_general_dilated_fake_quant(
     lhs: ArrayLike,
-    rhs: ArrayLike,
+    rhs: Any,
     window_strides: Sequence[int],
     padding: Any,
     lhs_dilation: Sequence[int] | None = None,
@@ -820,7 +826,8 @@ def conv_general_dilated_fake_quant(
 
   Args:
     lhs: float input.
-    rhs: float (fake-quantized) kernel.
+    rhs: float (fake-quantized) kernel, or a :class:`FakeQuantizedArray`
+      (dequantized here).
     window_strides: as ``lax.conv_general_dilated``'s.
     padding: as ``lax.conv_general_dilated``'s.
     lhs_dilation: as ``lax.conv_general_dilated``'s.
@@ -845,6 +852,7 @@ def conv_general_dilated_fake_quant(
     >>> jq.conv_general_dilated_fake_quant(x, jnp.ones((1, 1, 1)), (1,), "VALID")
     Array([[[ 1.007874 ,  2.       , -1.007874 ,  0.2992126]]], dtype=float32)
   """
+  rhs = _trained(rhs)
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   batch = numbers.lhs_spec[0]

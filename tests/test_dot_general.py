@@ -15,6 +15,7 @@ import jaxquant as jq
 from jaxquant import _dot_general
 from quant_testing import assert_bits_equal
 from quant_testing import assert_same_under_x64
+from quant_testing import assert_tree_bits_equal
 from quant_testing import assert_vmap_is_a_loop
 from quant_testing import model_calls
 
@@ -139,6 +140,22 @@ def test_fake_quant_value_and_straight_through_gradient():
   np.testing.assert_allclose(g_w, np.broadcast_to(
       np.asarray(jq.dequantize_linear(lhs_q, lhs_scale, axis=None)).sum(0)[:, None], W.shape),
       rtol=1e-6)
+
+
+@pytest.mark.parametrize("layer", ["dot", "conv"])
+def test_fake_quant_takes_a_learnable_weight(layer):
+  """A FakeQuantizedArray rhs is its dequantize(): the same value, and jax.grad reaches the
+  float weight and the learned scale (LSQ) through it."""
+  call, x, w = {
+      "dot": (lambda x, w: jq.dot_general_fake_quant(x, w, DENSE), X, W),
+      "conv": (lambda x, w: jq.conv_general_dilated_fake_quant(x, w, **CONV), CONV_X, CONV_W),
+  }[layer]
+  call = jax.jit(call)  # eagerly, every primitive of the op compiles on its own
+  trained = jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int4), learnable=True)
+  np.testing.assert_array_equal(call(x, trained), call(x, trained.dequantize()))
+  loss = lambda w: jnp.sum(call(x, w) ** 2)
+  assert_tree_bits_equal(jax.grad(loss)(trained),
+                         jax.grad(lambda w: loss(w.dequantize()))(trained), "gradient")
 
 
 @pytest.mark.parametrize("rule, options", [
