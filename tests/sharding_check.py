@@ -423,30 +423,40 @@ def integer_matmul_cases():
 
 
 def weight_only_cases():
-  """The weight-only int4 layer (blocks of 32 along K, packed) on a weight quantized where it
-  lies: split along N, quantize_params packs each row (a flat stream cannot be split by
-  column) and every device dequantizes and multiplies its own columns; split along rows,
-  the weight is replicated. Not along K: XLA adds the float partials across devices, in
-  another order than one device's dot (the int8 layer above is exact there)."""
+  """The float layers on int4 weights in blocks of 32 along K, quantized where they lie.
+
+  Weight-only (packed): split along N, quantize_params packs each row (a flat
+  stream cannot be split by column) and every device dequantizes and multiplies
+  its own columns; split along rows, the weight is replicated. QAT
+  (dot_general_fake_quant on a learnable FakeQuantizedArray, activations per
+  row): the same splits. Not along K: XLA adds the float partials across
+  devices, in another order than one device's dot (the int8 layer above is
+  exact there)."""
   k, n, rows = 1024, 512, 16
   mesh = make_mesh("1d")
   rng = np.random.default_rng(7)
   x = rng.standard_normal((rows, k)).astype(np.float32)
   w = (rng.standard_normal((k, n)) / 32).astype(np.float32)
+  dimension_numbers = (((1,), (0,)), ((), ()))
   rule = jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32)
-  f = jax.jit(lambda x, w: jq.dot_general_weight_only(x, w, (((1,), (0,)), ((), ()))))
-  want = f(x, jq.quantize_params(jnp.asarray(w), rule))
-  for layout, x_spec, w_spec, out_spec in [
-      ("N", P(), P(None, "c"), P(None, "c")),
-      ("rows", P("c", None), P(), P("c", None)),
-  ]:
-    weight = jq.quantize_params(jax.device_put(w, NamedSharding(mesh, w_spec)), rule)
-    assert weight.values.sharding.is_equivalent_to(
-        NamedSharding(mesh, w_spec), weight.values.ndim), (layout, weight.values.sharding)
-    arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), weight)
-    report(f"jit 1d xla dot_general_weight_only {layout} -", f(*arguments), want,
-           f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
-           weight.values.size // mesh.size // 16)
+  layers = {"dot_general_weight_only": (jq.dot_general_weight_only, False),
+            "dot_general_fake_quant": (jq.dot_general_fake_quant, True)}
+  for name, (layer, learnable) in layers.items():
+    quantized = functools.partial(jq.quantize_params, rules=rule, learnable=learnable)
+    f = jax.jit(lambda x, w, layer=layer: layer(x, w, dimension_numbers))
+    want = f(x, quantized(jnp.asarray(w)))
+    for layout, x_spec, w_spec, out_spec in [
+        ("N", P(), P(None, "c"), P(None, "c")),
+        ("rows", P("c", None), P(), P("c", None)),
+    ]:
+      weight = quantized(jax.device_put(w, NamedSharding(mesh, w_spec)))
+      stored = weight.value if learnable else weight.values
+      assert stored.sharding.is_equivalent_to(
+          NamedSharding(mesh, w_spec), stored.ndim), (name, layout, stored.sharding)
+      arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)), weight)
+      report(f"jit 1d xla {name} {layout} -", f(*arguments), want,
+             f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
+             stored.size // mesh.size // 16)
 
 
 def vmap_cases():

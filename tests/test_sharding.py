@@ -59,7 +59,7 @@ def test_every_case_ran(cases):
           "matmul_integer",
           "qlinear_matmul", "quantized_dot_general", "conv_general_dilated_dynamic_int8",
           "conv_general_dilated_static_int8", "conv_general_dilated_weight_only",
-          "conv_general_dilated_fake_quant"} <= ops, ops
+          "conv_general_dilated_fake_quant", "dot_general_fake_quant"} <= ops, ops
   assert any(name.startswith("jit 2d") for name in cases)
   assert any(name.startswith("shard_map") for name in cases)
   assert any("pack rows" in name for name in cases)
