@@ -340,6 +340,8 @@ def _abstract(tree):
 
 
 def _assert_leaves_equal(got, want, message):
+  """Leaf by leaf, not :func:`assert_tree_bits_equal`: a tree an exported program returns
+  keeps the symbolic shape in its static metadata, a structure of its own."""
   got, want = jax.tree.leaves(got), jax.tree.leaves(want)
   assert len(got) == len(want), message
   for got_leaf, want_leaf in zip(got, want):
