@@ -129,7 +129,7 @@ def _integer_values(rng, shape, dtype):
 def _four_ways(op: Callable[..., Any], args: tuple[np.ndarray, ...], batch: tuple,
                *, same: Callable[..., None] | None = None,
                same_mapped: Callable[..., None] | None = None) -> None:
-  """op(*args) directly, jitted traced, jitted constant, and vmapped: the same bits.
+  """op(*args) directly, jitted traced, jitted constant, and vmapped (jitted): the same bits.
 
   ``same_mapped`` compares the vmapped results (default ``same``): a float dot
   gains a batch dim under vmap, which XLA may sum in another order.
@@ -142,7 +142,8 @@ def _four_ways(op: Callable[..., Any], args: tuple[np.ndarray, ...], batch: tupl
   same(direct, traced, "jit, traced arguments")
   same(direct, constant, "jit, closed-over constants")
   stacked = [np.stack([a, b]) for a, b in zip(args, batch)]
-  mapped = jax.vmap(op)(*stacked)
+  # Under jit, as a model maps it: eagerly every batched primitive compiles on its own.
+  mapped = jax.jit(jax.vmap(op))(*stacked)
   same_mapped(direct, jax.tree.map(lambda y: y[0], mapped), "vmap, first")
   same_mapped(op(*batch), jax.tree.map(lambda y: y[1], mapped), "vmap, second")
 
