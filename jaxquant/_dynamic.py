@@ -63,9 +63,10 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
 
     if not _sharding.split_dims(x):
       return chosen(x, result, nan)
-    # A batched predicate makes the cond a select of x, whose broadcast
-    # predicate an explicit mesh types unsplit (jax 0.10.2): the choice runs by
-    # automatic sharding, its results typed as plain's.
+    # The per-example where, and a cond whose predicate an outer vmap batches (a
+    # select of x), broadcast their predicate unsplit, which an explicit mesh
+    # refuses against split cases (jax 0.10.2): the choice runs by automatic
+    # sharding, its results typed as plain's.
     return _sharding.placed(
         chosen, jax.tree.map(lambda r: jax.typeof(r).sharding, result), x, result, nan)
 
