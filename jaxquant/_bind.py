@@ -93,6 +93,16 @@ def finite_float(argument: str, value: Any) -> float:
   return float(value)
 
 
+def sharding(argument: str, value: Any) -> Any:
+  """An ``out_sharding``, as ``lax.dot_general`` takes it: ``None``, a ``NamedSharding``
+  or a ``PartitionSpec`` (of the context mesh)."""
+  _validate.check(
+      value is None or isinstance(value, (jax.sharding.NamedSharding, jax.sharding.PartitionSpec)),
+      argument, "None, a NamedSharding or a PartitionSpec", repr(value), error=TypeError,
+  )
+  return value
+
+
 def choice(*options: Any) -> Normalizer:
   """A normalizer accepting exactly ``options`` (compared by equality, so lists fail)."""
   expected = ", ".join(map(repr, options[:-1])) + f" or {options[-1]!r}"

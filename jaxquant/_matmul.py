@@ -390,7 +390,8 @@ def _check_dot_zero_points(arguments: dict) -> None:
                                   arguments[f"{name}_zero_point"], dtype)
 
 
-@_bind.op(preferred_element_type=_bind.dtype, check=_check_dot_zero_points)
+@_bind.op(preferred_element_type=_bind.dtype, out_sharding=_bind.sharding,
+          check=_check_dot_zero_points)
 def quantized_dot_general(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -401,6 +402,7 @@ def quantized_dot_general(
     rhs_scale: ArrayLike | None = None,
     rhs_zero_point: ArrayLike | None = None,
     preferred_element_type: DTypeLike | None = None,
+    out_sharding: Any = None,
 ) -> jax.Array:
   r"""A quantized ``lax.dot_general``: integer products, int32 accumulation, scales after.
 
@@ -443,6 +445,8 @@ def quantized_dot_general(
     rhs_zero_point: zero point of ``rhs``, or ``None`` for 0.
     preferred_element_type: int32 (the default) without scales; float32 (the
       default), float16 or bfloat16 with them, rounded once from float32.
+    out_sharding: the result's sharding, as ``lax.dot_general``'s (required
+      on an explicit mesh where a contracted dim is split).
 
   Returns:
     ``lax.dot_general``'s output shape: (batch, lhs free, rhs free) dims.
@@ -471,14 +475,15 @@ def quantized_dot_general(
   # itself, after checks costing more than the jit dispatch.
   lhs, rhs = (v if isinstance(v, jax.Array) else jnp.asarray(v) for v in (lhs, rhs))
   if jnp.issubdtype(lhs.dtype, jnp.floating) or jnp.issubdtype(rhs.dtype, jnp.floating):
-    return _fake_quantized_dot(
-        lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point, rhs_scale,
-        rhs_zero_point, preferred_element_type,
-    )
-  return _quantized_dot(
-      lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point,
-      dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
-  )
+    product = functools.partial(
+        _fake_quantized_dot, dimension_numbers=dimension_numbers,
+        preferred_element_type=preferred_element_type)
+  else:
+    product = functools.partial(
+        _quantized_dot, dimension_numbers=dimension_numbers,
+        preferred_element_type=preferred_element_type)
+  return _sharding.placed(product, out_sharding, lhs, rhs, lhs_scale, lhs_zero_point,
+                          rhs_scale, rhs_zero_point)
 
 
 @functools.partial(jax.jit, static_argnames=("dimension_numbers", "preferred_element_type"))
@@ -550,8 +555,8 @@ def _integer_product(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_po
   return _scaled(accumulator, lhs_scale, rhs_scale, sides, preferred_element_type)
 
 
-def _fake_quantized_dot(lhs, rhs, dimension_numbers, lhs_scale, lhs_zero_point,
-                        rhs_scale, rhs_zero_point, preferred_element_type):
+def _fake_quantized_dot(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point, *,
+                        dimension_numbers, preferred_element_type):
   """Float operands: the integer product's values, fake quantization's derivatives."""
   operands = []
   for name, x, scale, zero_point in [("lhs", lhs, lhs_scale, lhs_zero_point),
@@ -679,12 +684,14 @@ def _check_onnx_zero_points(arguments: dict) -> None:
     )
 
 
-@_bind.op(jit=True, check=_check_onnx_zero_points)
+@_bind.op(jit=True, out_sharding=_bind.sharding, check=_check_onnx_zero_points)
 def matmul_integer(
     a: ArrayLike,
     b: ArrayLike,
     a_zero_point: ArrayLike | None = None,
     b_zero_point: ArrayLike | None = None,
+    *,
+    out_sharding: Any = None,
 ) -> jax.Array:
   r"""ONNX MatMulInteger: ``(a - a_zero_point) @ (b - b_zero_point)`` in int32.
 
@@ -704,6 +711,8 @@ def matmul_integer(
       a's rank with K replaced by 1; ``None`` for 0. A Python int takes a's dtype.
     b_zero_point: b's dtype: one element, ``(N,)`` (per column), or b's rank
       with K replaced by 1; ``None`` for 0.
+    out_sharding: the result's sharding, as ``jnp.matmul``'s (required on an
+      explicit mesh where K is split).
 
   Returns:
     An int32 array of ``numpy.matmul``'s output shape.
@@ -721,6 +730,10 @@ def matmul_integer(
     Array([[-38, -68],
            [-44, -80]], dtype=int32)
   """
+  return _sharding.placed(_matmul_integer, out_sharding, a, b, a_zero_point, b_zero_point)
+
+
+def _matmul_integer(a, b, a_zero_point, b_zero_point):
   a2, b2, dimension_numbers, shape = _matmul_operands(a, b)
   a_zero_point, b_zero_point = _onnx_zero_points(a2, b2, a_zero_point, b_zero_point)
   accumulator = _integer_product(
@@ -738,7 +751,8 @@ def _check_qlinear_zero_points(arguments: dict) -> None:
   )
 
 
-@_bind.op(jit=True, output_dtype=_bind.dtype, check=_check_qlinear_zero_points)
+@_bind.op(jit=True, output_dtype=_bind.dtype, out_sharding=_bind.sharding,
+          check=_check_qlinear_zero_points)
 def qlinear_matmul(
     a: ArrayLike,
     a_scale: ArrayLike,
@@ -750,6 +764,7 @@ def qlinear_matmul(
     y_zero_point: ArrayLike | None = None,
     *,
     output_dtype: DTypeLike | None = None,
+    out_sharding: Any = None,
 ) -> jax.Array:
   r"""ONNX QLinearMatMul: a quantized matmul requantized to a quantized output.
 
@@ -779,6 +794,8 @@ def qlinear_matmul(
       output's; ``None`` for 0.
     output_dtype: the output dtype when ``y_zero_point`` is ``None`` or a
       Python int; default a's dtype.
+    out_sharding: the result's sharding, as ``jnp.matmul``'s (required on an
+      explicit mesh where K is split).
 
   Returns:
     ``numpy.matmul``'s output shape, of y_zero_point's dtype, else
@@ -798,6 +815,13 @@ def qlinear_matmul(
     Array([[185,   1],
            [144, 207]], dtype=uint8)
   """
+  return _sharding.placed(
+      functools.partial(_qlinear_matmul, output_dtype=output_dtype), out_sharding,
+      a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
+
+
+def _qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale,
+                    y_zero_point, *, output_dtype):
   a2, b2, dimension_numbers, shape = _matmul_operands(a, b)
   a_info = _dtypes.quantized_dtype("a.dtype", a2.dtype, integer=True)
   out_info = _parameters.quantized_output_dtype(

@@ -591,7 +591,8 @@ def explicit_mesh_layer_cases():
     sharding the row of ones appended to a's rows (rhs's sums over K) moves a
     between devices (integer_matmul_cases); here the row goes along a whole
     dim, or, where a has none, rhs's sums are a product of their own.
-  * The int8 drop-ins split along K (lax's out_sharding then required): the
+  * The int8 drop-ins, matmul_integer, qlinear_matmul and quantized_dot_general
+    split along K (out_sharding then required, as by lax and jnp.matmul): the
     integer product's dots and int32 sums are placed by automatic sharding.
   * Blocked parameters expanded along a split dim take x's split (a select
     takes only cases split alike).
@@ -618,9 +619,12 @@ def explicit_mesh_layer_cases():
   dynamic = lambda x, w, **options: jq.dot_general_dynamic_int8(x, w, dense(x), **options)
   conv = lambda x, w, **options: jq.conv_general_dilated_dynamic_int8(
       x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), **options)
-  qlinear_matmul = lambda a, a_zero_point, b: jq.qlinear_matmul(
+  qlinear_matmul = lambda a, a_zero_point, b, **options: jq.qlinear_matmul(
       a, np.float32(0.02), a_zero_point, b, np.float32(0.03), np.int8(5), np.float32(4.0),
-      np.uint8(128))
+      np.uint8(128), **options)
+  quantized_dot_general = lambda a, b, **options: jq.quantized_dot_general(
+      a, b, dense(a), lhs_scale=np.float32(0.02), lhs_zero_point=np.uint8(128),
+      rhs_scale=np.float32(0.03), **options)
   blocked = lambda x, s, z: jq.quantize_linear(x, s, z, axis=0, block_size=2)
   observed = lambda x: jq.observe(jq.init_observer(momentum=0.9), x)
   replicated = P()
@@ -642,6 +646,12 @@ def explicit_mesh_layer_cases():
       ("dot_general_static_int8(b,T) rows", static, (x.reshape(8, 2, depth), weight),
        (P("c", None, None), None), P("c", None, None)),
       # Contracted dims split: lax's contractions then take out_sharding.
+      ("matmul_integer K", jq.matmul_integer, (a, b, a_zero_point),
+       (P(None, "c"), P("c", None), P()), replicated),
+      ("qlinear_matmul K", qlinear_matmul, (a, a_zero_point, b),
+       (P(None, "c"), P(), P("c", None)), replicated),
+      ("quantized_dot_general K", quantized_dot_general, (a, b),
+       (P(None, "c"), P("c", None)), replicated),
       ("dot_general_dynamic_int8 K", dynamic, (x, jax.tree.map(np.asarray, weight)),
        (P(None, "c"), P("c", None)), replicated),
       ("dot_general_static_int8 K", static, (x, jax.tree.map(np.asarray, weight)),

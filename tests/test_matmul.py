@@ -597,6 +597,9 @@ def test_fake_quantized_operands_straight_through(k):
      "bits must be 2, 4 or 8"),
     (lambda: jq.qlinear_matmul(np.ones((2, 3), np.int8), 1.0, None, np.ones((3, 2), np.int8),
                                1.0, None, np.ones(2, np.float32)), "y_scale.shape must be"),
+    (lambda: jq.matmul_integer(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8),
+                               out_sharding="replicated"),
+     "matmul_integer: out_sharding must be None, a NamedSharding or a PartitionSpec"),
 ])
 def test_errors(call, message):
   with pytest.raises((TypeError, ValueError), match=message):

@@ -230,12 +230,14 @@ def test_explicit_mesh_layers_move_no_operand(cases):
   cases must have the same shardings") and the int8 drop-ins split along K,
   given lax's out_sharding (before: the error that out_sharding is needed,
   from their inner dots; their int32 partial products are added across
-  devices, less than a shard of the activations). An observer of a split
+  devices, less than a shard of the activations), as are matmul_integer,
+  qlinear_matmul and quantized_dot_general (before: no out_sharding to give,
+  so K split raised as jnp.matmul's does without one). An observer of a split
   batch (before: a ShardingTypeError at its flattening) gathers the batch once.
   """
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" not in name}
-  assert len(explicit) == 10, explicit
+  assert len(explicit) == 13, explicit
   assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
   observers = [name for name in explicit if " observe " in name]
   assert {name: case["collectives"] for name, case in explicit.items()} == {
