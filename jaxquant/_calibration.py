@@ -97,6 +97,11 @@ def _rebinned(histogram, old_range, new_range):
   return jax.ops.segment_sum(histogram, target, num_segments=bins)
 
 
+def _has_values(low: jax.Array, high: jax.Array) -> jax.Array:
+  """Whether a range holds values: nothing seen, or only NaNs, leaves it +inf and -inf."""
+  return low <= high
+
+
 @_bind.op(jit=True)
 def observe(state: Observer, x: ArrayLike) -> Observer:
   """``state`` updated with the values of ``x`` (NaNs ignored); jittable, pure.
@@ -137,10 +142,12 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
     # A batch of NaNs has no values (its min and max are +-inf): it would wipe out
     # the average. Count batches with values, not batches, for the first one.
     m = np.float32(state.momentum)
-    values, first = low <= high, ~(state.low <= state.high)
-    new_low = jnp.where(values, jnp.where(first, low, m * state.low + (1 - m) * low), state.low)
-    new_high = jnp.where(
-        values, jnp.where(first, high, m * state.high + (1 - m) * high), state.high)
+    values, first = _has_values(low, high), ~_has_values(state.low, state.high)
+
+    def average(old, new):
+      return jnp.where(values, jnp.where(first, new, m * old + (1 - m) * new), old)
+
+    new_low, new_high = average(state.low, low), average(state.high, high)
   magnitude = jnp.abs(x).reshape(-1)
   finite = ~jnp.isnan(magnitude)
   new_range = jnp.maximum(state.histogram_range, jnp.max(jnp.where(finite, magnitude, 0)))
@@ -241,8 +248,7 @@ def observer_qparams(
     Array(0.02362205, dtype=float32)
   """
   info = _dtypes.quantized_dtype("dtype", dtype)
-  # Nothing seen, or only NaNs: low and high are still +inf and -inf.
-  seen = state.low <= state.high
+  seen = _has_values(state.low, state.high)
   low = jnp.where(seen, state.low, 0)
   high = jnp.where(seen, state.high, 0)
   if method == "minmax":

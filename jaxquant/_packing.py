@@ -481,7 +481,7 @@ def unpacked_values(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike)
   also converts slowly. Other dtypes and layouts: :func:`unpacked`.
   """
   info = _dtypes.quantized_dtype("dtype", dtype)
-  static = all(isinstance(d, int) for d in (*packed.shape, *shape))
+  static = _static((*packed.shape, *shape))
   # Under explicit sharding a split last dim would not survive the words'
   # reshapes: the bytes are then unpacked one stream group at a time.
   split = packed.ndim - 1 in _sharding.split_dims(packed)
