@@ -9,6 +9,8 @@ Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--fea
     - ``float32``: ``x @ w`` in float32, the bar every ratio is against;
     - ``jaxquant``: ``dot_general_dynamic_int8`` (symmetric, one scale per
       row of x) on a stored int8 :class:`QuantizedArray`;
+    - ``jaxquant, float W``: the same on the float32 W, quantized per column
+      at every call (a model whose layers keep float kernels);
     - ``jaxquant, ONNX model``: ``dynamic_quantize_linear`` (per tensor,
       uint8) + ``quantized_dot_general``, onnxruntime's model bit for bit;
     - ``jnp, ONNX way``: the same quantization, then ``dot_general(uint8,
@@ -238,6 +240,7 @@ def main() -> None:
         "dynamic int8": {
             "float32": lambda: float32(x, w),
             "jaxquant": lambda: int8_layer(x, int8_weight),
+            "jaxquant, float W": lambda: int8_layer(x, w),
             "jaxquant, ONNX model": lambda: int8_onnx_layer(x, weight_q),
             "jnp, ONNX way": lambda: int8_onnx_way(x, weight_q),
             "onnxruntime": lambda: int8_session.run(None, {"x": x_host}),

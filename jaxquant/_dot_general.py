@@ -9,6 +9,7 @@ matmuls by being handed these functions: jaxquant never imports Flax.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 import functools
 import types
 from typing import Any
@@ -297,8 +298,9 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
 
 
 def _trained(rhs: Any) -> Any:
-  """A :class:`FakeQuantizedArray` ``rhs`` dequantized (its LSQ gradient), else as given."""
-  return rhs.dequantize() if isinstance(rhs, _params.FakeQuantizedArray) else rhs
+  """A :class:`FakeQuantizedArray` ``rhs`` dequantized (its LSQ gradient), or the
+  :class:`QuantizedArray` :func:`quantize_params` deploys it as (the same bits), else as given."""
+  return rhs.dequantize() if isinstance(rhs, _params._CONTAINERS) else rhs
 
 
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
@@ -421,8 +423,8 @@ def dot_general_fake_quant(
 
   Args:
     lhs: float activations.
-    rhs: float (fake-quantized) weights, or a :class:`FakeQuantizedArray`
-      (dequantized here).
+    rhs: float (fake-quantized) weights, a :class:`FakeQuantizedArray`, or
+      the :class:`QuantizedArray` that deploys one (either dequantized here).
     dimension_numbers: as ``lax.dot_general``'s.
     precision: passed to ``lax.dot_general``.
     preferred_element_type: passed to ``lax.dot_general``.
@@ -826,8 +828,8 @@ def conv_general_dilated_fake_quant(
 
   Args:
     lhs: float input.
-    rhs: float (fake-quantized) kernel, or a :class:`FakeQuantizedArray`
-      (dequantized here).
+    rhs: float (fake-quantized) kernel, a :class:`FakeQuantizedArray`, or
+      the :class:`QuantizedArray` that deploys one (either dequantized here).
     window_strides: as ``lax.conv_general_dilated``'s.
     padding: as ``lax.conv_general_dilated``'s.
     lhs_dilation: as ``lax.conv_general_dilated``'s.
@@ -873,6 +875,95 @@ def _chosen(op: Op | None, path: str):
   if isinstance(op, Mapping):
     return op.get(path)
   return op
+
+
+def _stored(x: Any) -> bool:
+  return isinstance(x, _params._CONTAINERS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Einsum:
+  """``jnp.einsum`` with its contractions run by ``op``; a stored operand goes to ``op`` whole.
+
+  ``jnp.einsum`` reads its operands as arrays, so an einsum with a
+  :class:`QuantizedArray` (or :class:`FakeQuantizedArray`) operand is
+  written as the one ``dot_general`` it is, and its result transposed to the
+  output's labels: two operands, each label once per operand, and none
+  summed within one operand alone.
+  """
+
+  op: Callable[..., jax.Array]
+
+  def __call__(self, subscripts: str, *operands: Any, out_sharding: Any = None,
+               **kwargs: Any) -> jax.Array:
+    if not any(_stored(x) for x in operands):
+      return jnp.einsum(subscripts, *operands, out_sharding=out_sharding,
+                        _dot_general=self.op, **kwargs)
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    labels = inputs.split(",")
+    _validate.check(
+        len(operands) == 2 and len(labels) == 2 and arrow and "." not in spec
+        and all(len(set(x)) == len(x) for x in (*labels, output))
+        and all(len(x) == len(_shape(y)) for x, y in zip(labels, operands))
+        and set(output) <= set(inputs) - {","},
+        "subscripts", "two operands' labels and the output's, each label once per term "
+        "(with a stored operand)", repr(subscripts),
+    )
+    lhs, rhs = labels
+    _validate.check(
+        all(label in output or label in other for x, other in ((lhs, rhs), (rhs, lhs))
+            for label in x),
+        "subscripts", "no label summed within one operand alone (with a stored operand)",
+        repr(subscripts),
+    )
+    contracting = [label for label in lhs if label in rhs and label not in output]
+    batch = [label for label in lhs if label in rhs and label in output]
+    result = batch + [label for label in lhs if label not in rhs] + [
+        label for label in rhs if label not in lhs]
+    numbers = ((tuple(map(lhs.index, contracting)), tuple(map(rhs.index, contracting))),
+               (tuple(map(lhs.index, batch)), tuple(map(rhs.index, batch))))
+    in_order = "".join(result) == output
+    _validate.check(
+        out_sharding is None or in_order, "out_sharding",
+        "None when a stored operand's product needs a transpose", repr(out_sharding),
+    )
+    kwargs.pop("optimize", None)
+    product = self.op(*operands, numbers, out_sharding=out_sharding, **kwargs)
+    return product if in_order else jnp.transpose(product, [result.index(x) for x in output])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PassingStored:
+  """A layer's dtype promotion (Flax NNX's ``promote_dtype``) that lets a stored kernel through.
+
+  A :class:`QuantizedArray` or :class:`FakeQuantizedArray` argument is stood
+  in for by a float scalar of the dtype it dequantizes to, so ``promote``
+  decides every dtype as for a float kernel; the stored kernel comes back
+  whole, to dequantize to the dtype chosen for it. Without one, ``promote``
+  runs as it is.
+  """
+
+  promote: Callable[..., Any]
+
+  def __call__(self, args: Sequence[Any], /, **kwargs: Any) -> Any:
+    if not any(_stored(x) for x in args):
+      return self.promote(args, **kwargs)
+    promoted = self.promote(
+        tuple(jnp.zeros((), _stored_dtype(x)) if _stored(x) else x for x in args), **kwargs)
+    return tuple(_as_dtype(x, y.dtype) if _stored(x) else y for x, y in zip(args, promoted))
+
+
+def _stored_dtype(x: Any) -> np.dtype:
+  return x.output_dtype if isinstance(x, _params.QuantizedArray) else x.value.dtype
+
+
+def _as_dtype(x: Any, dtype: np.dtype) -> Any:
+  if _stored_dtype(x) == dtype:
+    return x
+  if isinstance(x, _params.QuantizedArray):
+    return dataclasses.replace(x, output_dtype=np.dtype(dtype))
+  return dataclasses.replace(x, value=x.value.astype(dtype))
 
 
 def layers(module: Any) -> dict[str, tuple[Any, str]]:
@@ -933,6 +1024,13 @@ def replace_ops(
   ``conv_general_dilated``. Either may be a mapping from layer path to
   function (layers it lacks keep theirs), as :func:`calibrate` returns.
 
+  A changed layer's ``promote_dtype`` (Flax NNX's dtype promotion, if it has
+  one) is wrapped to pass a stored kernel through untouched: a model merged
+  with :func:`quantize_params`' output (``nnx.merge(graphdef,
+  jq.quantize_params(state, rule))``) runs on the stored integers, which the
+  drop-ins take as they are, and holds them in memory. Float kernels promote
+  exactly as before.
+
   Args:
     module: a model object (e.g. a Flax NNX module).
     dot_general: a ``lax.dot_general`` drop-in, a mapping of them, or ``None``.
@@ -962,8 +1060,11 @@ def replace_ops(
     else:
       op = _chosen(dot_general, path)
       if op is not None and attribute == "einsum_op":
-        op = functools.partial(jnp.einsum, _dot_general=op)
+        op = _Einsum(op)
     if op is not None:
       setattr(layer, attribute, op)
+      promote = getattr(layer, "promote_dtype", None)
+      if callable(promote) and not isinstance(promote, _PassingStored):
+        layer.promote_dtype = _PassingStored(promote)
       changed.append(path)
   return changed

@@ -22,6 +22,15 @@ from jaxquant import _recipes
 from jaxquant import _validate
 
 
+def _whole(stored: Any, key: Any) -> Any:
+  """``x[...]``, which is ``x``: how Flax NNX layers read a parameter (``self.kernel[...]``),
+  so that a stored kernel can sit in a layer. Other keys would cut blocks and packed
+  bytes: index ``x.dequantize()`` instead."""
+  _validate.check(key is Ellipsis, "key", "... (index x.dequantize() for anything else)",
+                  repr(key), error=TypeError)
+  return stored
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["values", "scale", "zero_point"],
@@ -35,7 +44,8 @@ class QuantizedArray:
   ``zero_point``) and whose static layout is aux data, so ``jax.jit`` compiles
   once per layout, ``jax.vmap`` and sharding act on the arrays, and a
   checkpoint stores the arrays. ``scale`` is float and differentiable;
-  ``values`` carry no gradient.
+  ``values`` carry no gradient. ``x[...]`` is ``x``, so a Flax NNX layer
+  holds one as its kernel (:func:`replace_ops`).
 
   Attributes:
     values: the quantized values in ``dtype``; with ``packed``, ONNX's packed
@@ -74,6 +84,9 @@ class QuantizedArray:
     """Bytes held: values, scale and zero point (sub-byte values unpacked count whole bytes)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
 
+  def __getitem__(self, key: Any) -> QuantizedArray:
+    return _whole(self, key)
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -88,7 +101,8 @@ class FakeQuantizedArray:
   :meth:`dequantize` gives the weight's straight-through gradient and the
   scale's LSQ gradient. :func:`quantize_params` turns it into the
   :class:`QuantizedArray` whose :meth:`QuantizedArray.dequantize` equals this
-  :meth:`dequantize` bit for bit.
+  :meth:`dequantize` bit for bit. ``x[...]`` is ``x``, so a Flax NNX layer
+  holds one as its kernel (:func:`replace_ops`).
 
   Attributes:
     value: the float weight.
@@ -114,6 +128,9 @@ class FakeQuantizedArray:
         self.value, self.scale, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
         grad_factor=self.grad_factor,
     )
+
+  def __getitem__(self, key: Any) -> FakeQuantizedArray:
+    return _whole(self, key)
 
 
 _CONTAINERS = (QuantizedArray, FakeQuantizedArray)

@@ -8,6 +8,7 @@ and its length is asserted (the issue's <= 5 lines).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 
@@ -132,6 +133,14 @@ def dynamic_int8(model, x):
   return model(x)
 
 
+def served_int8(model, x):
+  graphdef, state = nnx.split(model)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule(pattern="kernel")))
+  jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8,
+                 conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  return served(x)
+
+
 def static_int8(model, x, calibration_batches):
   jq.replace_ops(model, **jq.calibrate(model, calibration_batches))
   return model(x)
@@ -149,11 +158,12 @@ def qat(model, x, train, rule):
   graphdef, state = nnx.split(model)
   params = train(graphdef, jq.quantize_params(state, rule, learnable=True))
   deployed = jq.quantize_params(params)      # the QuantizedArray pytree
-  return nnx.merge(graphdef, jq.dequantize_params(deployed))(x), params, deployed
+  return nnx.merge(graphdef, deployed)(x), params, deployed
 
 
 @pytest.mark.parametrize(
-    "flow", [weight_only_ptq, dynamic_int8, static_int8, qat, dynamic_int4_activations])
+    "flow", [weight_only_ptq, dynamic_int8, served_int8, static_int8, qat,
+             dynamic_int4_activations])
 def test_each_flow_is_at_most_five_lines(flow):
   """Statements, so that a call wrapped over two lines counts once."""
   (function,) = ast.parse(inspect.getsource(flow)).body
@@ -220,6 +230,83 @@ def test_conv_weight_only_drop_in_on_the_cnn(trained, dtype, block_size):
     assert abs(accuracy(logits) - float_accuracy) <= 0.5
 
 
+def _stored_kernels(module):
+  state = nnx.state(module)
+  return [leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, jq.QuantizedArray)) if isinstance(leaf, jq.QuantizedArray)]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_stored_int8_kernels_serve_dynamic_int8_bit_for_bit(trained, name):
+  """Kernels stored as int8 in the layers: the logits of quantizing them at every call,
+  bit for bit (the same per-output-feature scales), eager and under nnx.jit (where XLA
+  may fuse Flax's bias add into the scale's multiply, in both)."""
+  np.testing.assert_array_equal(served_int8(_fresh(trained, name)[0], X_TEST),
+                                dynamic_int8(_fresh(trained, name)[0], X_TEST))
+  ops = dict(dot_general=jq.dot_general_dynamic_int8,
+             conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  model, _ = _fresh(trained, name)
+  graphdef, state = nnx.split(model)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule(pattern="kernel")))
+  jq.replace_ops(served, **ops)
+  jq.replace_ops(model, **ops)
+  kernels = _stored_kernels(served)
+  assert len(kernels) == {"mlp": 2, "cnn": 3}[name]
+  assert {k.values.dtype for k in kernels} == {np.dtype(np.int8)}
+  run = nnx.jit(lambda m, x: m(x))
+  np.testing.assert_array_equal(run(served, X_TEST), run(model, X_TEST))
+
+
+def test_stored_int8_transformer_within_half_a_point(trained):
+  """Attention's 3-D kernels keep one scale per last-dim index (a head's feature), not
+  per output feature as at run time: not the same bits, the same accuracy."""
+  model, float_accuracy = _fresh(trained, "transformer")
+  assert abs(accuracy(served_int8(model, X_TEST)) - float_accuracy) <= 0.5
+
+
+def test_stored_kernels_serve_static_int8_and_weight_only_bit_for_bit(trained):
+  model, _ = _fresh(trained, "mlp")
+  calibrated = jq.calibrate(model, [X_TRAIN[:256], X_TRAIN[256:512]])
+  graphdef, state = nnx.split(model)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule()))
+  jq.replace_ops(served, **calibrated)
+  np.testing.assert_array_equal(
+      served(X_TEST), static_int8(_fresh(trained, "mlp")[0], X_TEST,
+                                  [X_TRAIN[:256], X_TRAIN[256:512]]))
+  rule = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=16)
+  served = nnx.merge(graphdef, jq.quantize_params(state, rule))
+  jq.replace_ops(served, dot_general=jq.dot_general_weight_only)
+  assert {k.values.dtype for k in _stored_kernels(served)} == {np.dtype(np.uint8)}  # packed
+  np.testing.assert_array_equal(
+      served(X_TEST), weight_only_ptq(_fresh(trained, "mlp")[0], X_TEST, rule))
+
+
+def test_stored_kernel_dequantizes_to_the_layer_dtype():
+  """A bfloat16 layer promotes as for a float kernel: its output is bfloat16."""
+  x = jnp.asarray(X_TEST[:16])
+  dense = nnx.Linear(64, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(dense)
+  kernel = jq.quantize_params(dense.kernel[...], jq.QuantizationRule())
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule()))
+  jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8)
+  got = served(x)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(got, jq.dot_general_dynamic_int8(
+      x.astype(jnp.bfloat16), dataclasses.replace(kernel, output_dtype=np.dtype(jnp.bfloat16)),
+      (((1,), (0,)), ((), ()))) + dense.bias[...].astype(jnp.bfloat16))
+
+
+def test_replace_ops_again_leaves_the_graph_as_it_was(trained):
+  """Wrapping the dtype promotion is idempotent, so a second call keeps jit's cache."""
+  model, _ = _fresh(trained, "cnn")
+  ops = dict(dot_general=jq.dot_general_dynamic_int8,
+             conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  jq.replace_ops(model, **ops)
+  once, _ = nnx.split(model)
+  jq.replace_ops(model, **ops)
+  assert nnx.split(model)[0] == once
+
+
 def test_layers_reached_in_each_model(trained):
   reached = {name: sorted(jq.replace_ops(_fresh(trained, name)[0],
                                          dot_general=jq.dot_general_dynamic_int8,
@@ -278,6 +365,12 @@ def test_qat_int8_mlp_within_half_a_point_and_deploys_bit_for_bit(trained):
   kernels = [leaf for leaf in jax.tree.leaves(deployed, is_leaf=lambda x: isinstance(
       x, jq.QuantizedArray)) if isinstance(leaf, jq.QuantizedArray)]
   assert [k.values.dtype for k in kernels] == [jnp.int8, jnp.int8]
+  # The learnable kernels can sit in the layers while training, too: the same loss and gradient.
+  def loss(params, held):
+    module = nnx.merge(graphdef, params if held else jq.dequantize_params(params))
+    return optax.softmax_cross_entropy_with_integer_labels(module(X_TEST), Y_TEST).mean()
+  held, dequantized = (jax.value_and_grad(loss)(params, held) for held in (True, False))
+  jax.tree.map(np.testing.assert_array_equal, held, dequantized)
 
 
 @pytest.mark.slow
@@ -322,3 +415,31 @@ def test_drop_ins_as_constructor_arguments_and_einsum():
   assert jq.replace_ops(einsum, dot_general=jq.dot_general_dynamic_int8) == [""]
   np.testing.assert_array_equal(
       einsum(x), jq.dot_general_dynamic_int8(x, einsum.kernel[...], (((1,), (0,)), ((), ()))))
+
+
+@pytest.mark.parametrize("subscripts, kernel_shape, axis, rows", [
+    ("bd,do->bo", (64, 8), -1, (16, 64)),          # the dot's own order
+    ("bd,od->ob", (8, 64), 0, (16, 64)),           # transposed to the output's labels
+    ("btd,do->bto", (16, 8), -1, (16, 4, 16)),
+])
+def test_einsum_layer_with_a_stored_kernel(subscripts, kernel_shape, axis, rows):
+  """nnx.Einsum holding a QuantizedArray: the per-call dynamic int8 product's bits."""
+  x = jnp.asarray(X_TEST[:16]).reshape(rows)
+  einsum = nnx.Einsum(subscripts, kernel_shape, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(einsum)
+  served = nnx.merge(graphdef, jq.quantize_params(
+      state, jq.QuantizationRule(pattern="kernel", axis=axis)))
+  assert jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8) == [""]
+  assert jq.replace_ops(einsum, dot_general=jq.dot_general_dynamic_int8) == [""]
+  np.testing.assert_array_equal(served(x), einsum(x))
+  stored = served.kernel[...]
+  if subscripts == "bd,do->bo":
+    with pytest.raises(ValueError, match="summed within one operand"):
+      served.einsum_op("bd,dk->k", x, stored)
+    with pytest.raises(ValueError, match="each label once"):
+      served.einsum_op("bd,dk->bk", x, stored, x)
+  if subscripts == "bd,od->ob":
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="out_sharding"):
+      served.einsum_op(subscripts, x, stored, out_sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec()))

@@ -242,6 +242,15 @@ def test_nbytes_counts_packed_storage():
   assert int4.nbytes == w.size // 2 + int4.scale.size * 4
 
 
+@pytest.mark.parametrize("learnable", [False, True])
+def test_ellipsis_index_is_the_whole_stored_array(learnable):
+  """``x[...]`` is how Flax NNX layers read a kernel; other keys would cut blocks."""
+  stored = jq.quantize_params(PARAMS["encoder"]["kernel"], jq.QuantizationRule(), learnable=learnable)
+  assert stored[...] is stored
+  with pytest.raises(TypeError, match=r"key must be \.\.\."):
+    stored[0]  # pylint: disable=pointless-statement
+
+
 SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
