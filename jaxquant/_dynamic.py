@@ -210,11 +210,17 @@ def _min_max(
     # constant x (a closed-over weight) while compiling, about two seconds
     # per million elements, for a reduce that takes 0.1 ms to run.
     key = _order_key(_numerics.unfolded(view))
-    low, high = _across_threads(
-        lambda values, axes: lax.reduce(
-            values, (_order_key(inf), _order_key(-inf)),
-            lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes),
-        (key, key), axes)
+    if view.ndim and view.ndim - 1 not in axes:
+      # Down columns (the minor dim kept) XLA:CPU reduces a variadic pair in scalar
+      # code: two plain reductions were 3-10x faster (benchmarks/reductions.py).
+      low = lax.reduce(key, _order_key(inf), lax.min, axes)
+      high = lax.reduce(key, _order_key(-inf), lax.max, axes)
+    else:
+      low, high = _across_threads(
+          lambda values, axes: lax.reduce(
+              values, (_order_key(inf), _order_key(-inf)),
+              lambda a, b: (lax.min(a[0], b[0]), lax.max(a[1], b[1])), axes),
+          (key, key), axes)
     return _order_key(low, inverse=True), _order_key(high, inverse=True)
 
   def plain(view):
@@ -223,6 +229,51 @@ def _min_max(
     return on_keys(view)
 
   return _ignoring_nan(plain, nan_aware, one_pass, view, to_float32)
+
+
+_WIDE_COLUMNS = 32768
+
+
+def _by_extremes(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """max(-min x, max x, 0), NaNs ignored: how the other layouts' max|x| is
+  differentiated, and so the column reductions' derivative."""
+  nan = jnp.isnan(view)
+  low = jnp.min(jnp.where(nan, np.float32(np.inf), view), axes, initial=np.float32(np.inf))
+  high = jnp.max(jnp.where(nan, np.float32(-np.inf), view), axes, initial=np.float32(-np.inf))
+  return jnp.maximum(jnp.maximum(-low, high), np.float32(0))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _column_magnitude(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """max|x| over ``axes``, which keep the minor dim, as a float max; NaN to have it redone.
+
+  XLA:CPU flushes a float max's subnormal operands to zero, so a result
+  below the least normal float32 (a column of zeros and subnormals) is
+  marked NaN, as a NaN in x makes it: :func:`_column_magnitude_ignoring_nan`
+  then redoes it exactly. x passes an optimization barrier, not
+  :func:`_numerics.unfolded`, against folding a closed-over x: XLA:CPU hands
+  ``max(abs(x))`` to YNNPACK, 4-5x faster down a large weight's columns than
+  its own loop, which it falls back to with the XOR in the fusion.
+  """
+  magnitude = jnp.max(jnp.abs(lax.optimization_barrier(view)), axes, initial=np.float32(0))
+  return jnp.where(magnitude < np.finfo(np.float32).tiny, np.float32(np.nan), magnitude)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _column_magnitude_ignoring_nan(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+  """max|x| over ``axes`` ignoring NaNs, exactly: the integer max of the magnitudes'
+  bits, which order as the magnitudes (a NaN's, above infinity's, dropped)."""
+  bits = lax.bitcast_convert_type(view, jnp.int32) & np.int32(0x7FFFFFFF)
+  bits = jnp.where(bits > np.int32(0x7F800000), np.int32(0), bits)
+  return lax.bitcast_convert_type(jnp.max(bits, axes, initial=np.int32(0)), jnp.float32)
+
+
+def _extremes_jvp(axes, primals, tangents):
+  return jax.jvp(functools.partial(_by_extremes, axes=axes), primals, tangents)
+
+
+_column_magnitude.defjvp(_extremes_jvp)
+_column_magnitude_ignoring_nan.defjvp(_extremes_jvp)
 
 
 def _max_magnitude(
@@ -243,6 +294,16 @@ def _max_magnitude(
     return (nan_aware(magnitude(view)),)
   if windows is not None:
     return (_ignoring_nan(maximum, nan_aware, nan_aware, view, magnitude),)
+  if view.ndim and view.ndim - 1 not in axes:
+    # The minor dim kept (a (K, N) weight per output feature, a kernel per output
+    # channel): XLA:CPU reduces the variadic min and max below down each column in
+    # scalar code, several times slower than a float max (benchmarks/reductions.py).
+    exact = functools.partial(_column_magnitude_ignoring_nan, axes=axes)
+    columns = view.shape[-1]
+    # Past ~16K columns the float max's loop thrashes the cache; the exact one does not.
+    wide = isinstance(columns, int) and columns >= _WIDE_COLUMNS
+    return (_ignoring_nan(exact if wide else functools.partial(_column_magnitude, axes=axes),
+                          exact, exact, view, lambda view: view.astype(jnp.float32)),)
   # max|x| = max(-min x, max x, 0), the same float. XLA:CPU reduces the min
   # and max keys in vectorized code across threads; a float max it hands to
   # YNNPACK, with |x| (or x converted) written out first.

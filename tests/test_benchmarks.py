@@ -84,6 +84,11 @@ def test_fake_quant_benchmark_runs():
   assert len(rows) == 3, output
 
 
+def test_reductions_benchmark_times_five_peers_per_shape():
+  rows, output = _table_rows("reductions.py", "--shapes", "64x32", "8x40000", prefix="| ")
+  assert len(rows) == 1 + 2 * 5, output  # the header, then 5 peers a shape
+
+
 def test_linear_benchmark_runs():
   rows, output = _table_rows("linear.py", "--sizes", "16384", prefix=("quantize", "dequantize",
                                                                       "dynamic"))

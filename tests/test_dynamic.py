@@ -23,6 +23,7 @@ import onnxruntime
 import pytest
 
 import jaxquant as jq
+from jaxquant import _dynamic
 from quant_testing import assert_bits_equal
 from quant_testing import assert_vmap_is_a_loop
 from quant_testing import dtype_name
@@ -528,6 +529,45 @@ def test_symmetric(dtype, implementation):
   assert_outputs_equal((y, scale, zero_point),
                        reference_dynamic(x, dtype, axis=0, symmetric=True))
   assert np.asarray(y).astype(int)[0, 1] == -qmax  # -max|x| maps to -qmax, not qmin
+
+
+def test_symmetric_statistics_down_columns():
+  """One scale per index of the minor dim (a weight per output feature) reduces down
+  columns, as the integer max of the magnitudes' bits: the reference's bits with NaN,
+  infinities, -0, ties and extremes, and the derivative of max(-min x, max x, 0), as the
+  other layouts have. A subnormal max|x| (column 5), which XLA:CPU's float max would
+  flush to 0, is exact too where no NaN is; quantizing by its scale is J1
+  (docs/numerics.md): that column is checked on the statistic alone."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((5, 48)).astype(np.float32)
+  big, tiny = np.finfo(np.float32).max, np.float32(1e-45)
+  x[:, :8] = np.array([
+      [np.nan, -np.inf, -0.0, 3, big, tiny, 0, 1],
+      [1, 1, -0.0, -3, -big, -tiny, 0, -1],
+      [-1, 0, -0.0, 3, 0, 0, 0, 0.5],
+      [0, 0, -0.0, -3, 0, 0, 0, -0.5],
+      [2, 0, -0.0, 1, 0, 0, 0, 1],
+  ], np.float32)
+  x[:, -1] = np.nan
+  without_nan = x[:, 1:-1]  # a NaN anywhere has every column redone NaN-aware, by a float max
+  magnitude = jax.jit(lambda x: _dynamic._max_magnitude(x, (0,))[0])(without_nan)
+  assert_bits_equal(magnitude, np.max(np.abs(without_nan), axis=0))
+  x = np.delete(x, 5, axis=1)
+  quantize = functools.partial(jq.dynamic_quantize_linear, dtype=jnp.int8, axis=1,
+                               symmetric=True, implementation="xla")
+  assert_outputs_equal(jax.jit(quantize)(x), reference_dynamic(
+      x, dtype=jnp.int8, axis=1, symmetric=True))
+  finite = np.all(np.isfinite(x), axis=0)
+
+  def scale_sum(x):
+    return jnp.sum(jnp.where(finite, quantize(x)[1], 0))
+
+  def by_extremes(x):
+    magnitude = jnp.maximum(jnp.maximum(-jnp.min(x, 0), jnp.max(x, 0)), 0)
+    return jnp.sum(jnp.where(finite & (magnitude > 0), magnitude / np.float32(127), 0))
+
+  x = np.where(np.isfinite(x), x, 0).astype(np.float32)
+  assert_bits_equal(jax.grad(scale_sum)(x), jax.grad(by_extremes)(x))
 
 
 # --- NaN-free inputs take the plain reductions, NaN ones the NaN-ignoring pass ----------------
