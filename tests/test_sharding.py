@@ -73,10 +73,29 @@ def _float_conv_split_along_features(name: str) -> bool:
           and words[3] in ("conv_general_dilated_weight_only", "conv_general_dilated_fake_quant"))
 
 
+def _float_dot_split_along_k(name: str) -> bool:
+  """A served model's float (weight-only) dot whose second layer is split along K."""
+  return name.startswith("served") and "weight_only" in name
+
+
 @pytest.mark.slow
 def test_bit_identical_to_one_device(cases):
   assert [name for name, case in cases.items()
-          if not case["equal"] and not _float_conv_split_along_features(name)] == []
+          if not case["equal"] and not _float_conv_split_along_features(name)
+          and not _float_dot_split_along_k(name)] == []
+
+
+@pytest.mark.slow
+def test_served_model_split_megatron_style_moves_no_weight(cases):
+  """Kernels stored in an NNX model's layers, split along the first layer's outputs
+  and the second's inputs: the integer model is one device's bit for bit, the
+  weight-only one within float32 rounding (its K-split float sums), and neither
+  gathers, exchanges or permutes anything a weight shard's quarter in size."""
+  served = {name: case for name, case in cases.items() if name.startswith("served")}
+  assert len(served) == 2, served
+  assert all(case["close"] and case["sharding"] and case["collectives"] == []
+             for case in served.values()), served
+  assert served["served 1d dynamic_int8 megatron -"]["equal"], served
 
 
 @pytest.mark.slow
