@@ -49,7 +49,9 @@ class QuantizedArray:
 
   Attributes:
     values: the quantized values in ``dtype``; with ``packed``, ONNX's packed
-      uint8 bytes (:func:`pack`); for float6 unpacked, uint8 codes.
+      uint8 bytes (:func:`pack`: in its row layout for a matrix whose rows fill
+      whole bytes, or that is split after its first dim); for float6
+      unpacked, uint8 codes.
     scale: float32 scale: ``()``, ``(shape[axis],)`` or blocked (``shape``'s rank).
     zero_point: in ``dtype`` shaped like ``scale``, or ``None`` (symmetric).
     dtype: the quantized dtype (static).
@@ -251,9 +253,13 @@ def _from_scale(value, scale, zero_point, dtype, axis, block_size, packed) -> Qu
   )
   if packed:
     # ONNX's flat layout runs across rows, so it cannot keep a split of a minor
-    # dim; packing each row keeps every dim's sharding (same bytes, reshaped,
-    # when a row fills whole bytes).
-    layout = "rows" if _splits_minor_dim(value) else "flat"
+    # dim; packing each row keeps every dim's sharding. Where a row fills whole
+    # bytes, the rows are the flat bytes reshaped, and they are taken whatever the
+    # sharding: under jit on an automatic mesh a tracer carries none, and the flat
+    # bytes of a weight split along its columns were gathered whole.
+    columns = value.shape[-1] if value.ndim > 1 else None
+    whole_bytes = isinstance(columns, int) and columns * info.bits % 8 == 0
+    layout = "rows" if whole_bytes or _splits_minor_dim(value) else "flat"
     values = _packing.pack(values, dtype=info.dtype if info.as_codes else None, layout=layout)
   # dequantize_linear returns float32 at the widest: a float64 weight (NumPy's,
   # which JAX reads as float32, or any under x64) dequantizes to float32.

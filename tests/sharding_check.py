@@ -741,9 +741,7 @@ def served_model_cases():
       ("weight_only_int4", jq.QuantizationRule(pattern="kernel", dtype=jnp.int4, axis=-2,
                                                block_size=32), jq.dot_general_weight_only),
   ]:
-    # Outside jit: on an automatic mesh a tracer carries no sharding, and packed int4
-    # split along a minor dim needs the row layout, chosen from the concrete arrays.
-    quantize = functools.partial(jq.quantize_params, rules=rule)
+    quantize = jax.jit(functools.partial(jq.quantize_params, rules=rule))
     model = nnx.merge(graphdef, quantize(state))
     jq.replace_ops(model, dot_general=op)
     served_graphdef, stored = nnx.split(model)

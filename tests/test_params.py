@@ -279,7 +279,7 @@ def test_sharded_parameters_stay_sharded():
 
 SHARDED_PACKED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import jaxquant as jq
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     x = jax.random.normal(jax.random.key(1), (16, 64))
@@ -288,7 +288,7 @@ SHARDED_PACKED = textwrap.dedent("""
         (P(None, "model"), P(None, "model"), 2),                    # minor dim split: rows layout
         (P("data", "model"), P("data", "model"), 8),
         (P(None, ("data", "model")), P(None, ("data", "model")), 8),  # 8 ways along the columns
-        (P(("data", "model"), None), P(("data", "model")), 8),         # 8 ways along rows: flat
+        (P(("data", "model"), None), P(("data", "model"), None), 8),   # 8 ways along rows
     ]:
       w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), NamedSharding(mesh, spec))
       for rule in (jq.QuantizationRule(dtype=jnp.int4),
@@ -301,13 +301,20 @@ SHARDED_PACKED = textwrap.dedent("""
         assert y.sharding.spec == spec, (spec, y.sharding)
         reference = jq.quantize_params(np.asarray(w), rule)
         np.testing.assert_array_equal(y, reference.dequantize())
-        # unpack reads either layout: the same codes as the unsharded (flat) weight's.
+        # Rows of whole bytes are packed as rows however x is split: the unsharded weight's.
+        np.testing.assert_array_equal(q.values, reference.values)
         np.testing.assert_array_equal(jq.unpack(q.values, q.shape, q.dtype),
                                       jq.unpack(reference.values, q.shape, q.dtype))
         out = forward(x, q)
         assert out.sharding.spec == P(None, spec[1]), (spec, out.sharding)  # x is replicated
         np.testing.assert_allclose(out, np.asarray(x) @ np.asarray(reference.dequantize()),
                                    rtol=1e-5, atol=1e-5)
+    # On an automatic mesh a tracer carries no sharding: rows of whole bytes keep the split.
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)),
+                       NamedSharding(auto, P(None, ("data", "model"))))
+    q = jax.jit(lambda w: jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int4)))(w)
+    assert q.values.addressable_shards[0].data.shape == (64, 2), q.values.sharding
     # 4 blocks of 16 rows cannot split over 8 shards: a clear error, not JAX's deep one.
     w = jax.device_put(np.ones((64, 32), np.float32), NamedSharding(mesh, P(("data", "model"))))
     try:
