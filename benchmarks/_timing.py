@@ -1,9 +1,15 @@
 """Wall-time measurement shared by the benchmark scripts."""
 
+import os
 import random
 import time
 
 import jax
+
+
+def load_average() -> str:
+  """The 1, 5 and 15 minute load averages, as a benchmark's header prints them."""
+  return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def best_ms(function, repeats):

@@ -49,7 +49,6 @@ shared: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 from jax import lax
@@ -62,6 +61,7 @@ from onnxruntime import quantization
 
 import jaxquant as jq
 from _timing import interleaved_median_ms
+from _timing import load_average
 
 try:
   import qwix
@@ -179,10 +179,6 @@ def _qwix_batched(weight: jax.Array):
   return lambda x: layer(x, quantized)
 
 
-def _load() -> str:
-  return " ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
@@ -224,7 +220,7 @@ def main() -> None:
         f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
         f"synchronous dispatch {args.sync}; "
         f"median of {args.repeats}; "
-        f"load average {_load()}")
+        f"load average {load_average()}")
   print("| layer | M | peer | ms | / float32 |")
   print("|---|---|---|---|---|")
   for m in args.rows:
@@ -268,7 +264,7 @@ def main() -> None:
       for name, ms in medians.items():
         print(f"| {layer} | {m} | {name} | {ms:.3f} | {ms / medians['float32']:.2f} |",
               flush=True)
-  print(f"load average {_load()}")
+  print(f"load average {load_average()}")
 
 
 if __name__ == "__main__":

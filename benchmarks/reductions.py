@@ -27,7 +27,6 @@ each peer's time over ``jaxquant absmax``'s. Compare within one run.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 from jax import lax
@@ -36,6 +35,7 @@ import numpy as np
 
 import jaxquant as jq
 from _timing import interleaved_median_ms
+from _timing import load_average
 
 
 def _keys(w):
@@ -65,7 +65,7 @@ def main() -> None:
       "jnp": jax.jit(lambda w: jnp.max(jnp.abs(w), 0)),
   }
   print(f"jax {jax.__version__} ({jax.default_backend()}); median of {args.repeats}; "
-        f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+        f"load average {load_average()}")
   print("| shape | peer | ms | / jaxquant absmax |")
   print("|---|---|---|---|")
   rng = np.random.default_rng(0)
