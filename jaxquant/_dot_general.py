@@ -452,7 +452,7 @@ def dot_general_fake_quant(
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-  return x.shape if isinstance(x, _params.QuantizedArray) else jnp.shape(x)
+  return x.shape if _stored(x) else jnp.shape(x)
 
 
 def _conv_numbers(lhs, rhs, dimension_numbers):

@@ -131,6 +131,11 @@ class FakeQuantizedArray:
         grad_factor=self.grad_factor,
     )
 
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The weight's shape."""
+    return self.value.shape
+
   def __getitem__(self, key: Any) -> FakeQuantizedArray:
     return _whole(self, key)
 

@@ -443,3 +443,20 @@ def test_einsum_layer_with_a_stored_kernel(subscripts, kernel_shape, axis, rows)
     with pytest.raises(ValueError, match="out_sharding"):
       served.einsum_op(subscripts, x, stored, out_sharding=jax.sharding.NamedSharding(
           mesh, jax.sharding.PartitionSpec()))
+
+
+def test_einsum_layer_trains_with_its_learnable_kernel_held():
+  """QAT of an nnx.Einsum with its FakeQuantizedArray kernel in the layer: the loss and
+  gradient of dequantizing the parameters first, bit for bit."""
+  x = jnp.asarray(X_TEST[:3]).reshape(3, 4, 16)
+  einsum = nnx.Einsum("btd,dnh->btnh", (16, 2, 8), (2, 8), rngs=nnx.Rngs(0))
+  jq.replace_ops(einsum, dot_general=jq.dot_general_fake_quant)
+  graphdef, state = nnx.split(einsum)
+  params = jq.quantize_params(state, jq.QuantizationRule(pattern="kernel"), learnable=True)
+
+  def loss(params, held):
+    module = nnx.merge(graphdef, params if held else jq.dequantize_params(params))
+    return jnp.sum(module(x) ** 2)
+
+  held, dequantized = (jax.value_and_grad(loss)(params, held) for held in (True, False))
+  jax.tree.map(np.testing.assert_array_equal, held, dequantized)
