@@ -92,7 +92,8 @@ BAD_CASES = [
     ),
     BadCase(
         "infinite float8_e5m2 zero point, per axis",
-        lambda x, zero_point: jq.quantize_linear(x, jnp.ones(2), zero_point, axis=0),
+        lambda x, zero_point: jq.quantize_linear(x, jnp.ones(2, jnp.float32), zero_point,
+                                                 axis=0),
         (_ones(2, 3), jnp.array([0.0, -np.inf], jnp.float8_e5m2)),
         "quantize_linear: zero_point must be finite, got -inf at index (1,).",
     ),
@@ -152,6 +153,13 @@ def test_bad_values_are_reported_from_a_jitted_function_traced_before(case):
     jq.checked(jitted)(*case.args)
 
 
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda case: case.name)
+def test_bad_values_are_reported_the_same_under_x64(case):
+  """The same arrays (the cases' constants spell float32) under x64: the same report."""
+  with jax.enable_x64(True), _raises(case):
+    jq.checked(case.function)(*case.args)
+
+
 @pytest.mark.parametrize("case", BAD_CASES[:3], ids=lambda case: case.name)
 def test_an_outer_jit_functionalised_by_checkify_carries_the_error(case):
   error, _ = checkify.checkify(jax.jit(jq.checked(case.function)))(*case.args)
@@ -170,8 +178,8 @@ def test_bad_values_under_vmap_and_grad():
 
 
 GOOD_CASES = [
-    (lambda x: jq.quantize_linear(x, jnp.array([0.5, 2.0]), jnp.array([0, -3], jnp.int8),
-                                  axis=1),
+    (lambda x: jq.quantize_linear(x, jnp.array([0.5, 2.0], jnp.float32),
+                                  jnp.array([0, -3], jnp.int8), axis=1),
      (jnp.array([[np.nan, np.inf], [-np.inf, 1e9]]),)),
     (lambda x: jq.quantize_linear(x, jnp.array(2.0 ** -20, jnp.float8_e8m0fnu),
                                   output_dtype=jnp.float8_e4m3fn),
@@ -193,7 +201,7 @@ GOOD_CASES = [
     (lambda x: jq.fake_quantize_dynamic(x), (jnp.array([np.nan, 0.0, 1.0]),)),
     (lambda x: jq.dynamic_quantize_linear(x), (jnp.array([np.inf, 0.0, 1.0]),)),
     (lambda a: jq.quantized_add(a, 0.5, 3, a, 0.25, 4, 1.0, 5), (_ones(3, dtype=jnp.uint8),)),
-    (lambda x: jq.quantize_linear(x, jnp.ones((0,)), axis=0), (_ones(0),)),
+    (lambda x: jq.quantize_linear(x, jnp.ones((0,), jnp.float32), axis=0), (_ones(0),)),
 ]
 
 
@@ -202,6 +210,14 @@ def test_good_values_pass_and_give_the_unchecked_result(function, args):
   expected = function(*args)
   for got in (jq.checked(function)(*args), jq.checked(jax.jit(function))(*args)):
     jax.tree.map(_assert_same_bits, got, expected)
+
+
+@pytest.mark.parametrize("function, args", GOOD_CASES)
+def test_good_values_under_x64_give_x32_bits(function, args):
+  expected = jq.checked(function)(*args)
+  with jax.enable_x64(True):
+    got = jq.checked(function)(*args)
+  jax.tree.map(_assert_same_bits, got, expected)
 
 
 def _assert_same_bits(got, expected):
