@@ -711,6 +711,36 @@ def choose_qparams_cases():
         report(f"choose_qparams {axis_type.name.lower()} 1d {method} {layout}", got, want,
                compiled, NamedSharding(mesh, out_spec), x.size // mesh.size)
 
+
+def checked_cases():
+  """``checked`` of a jitted per-column quantize, x and its parameters split along the
+  columns: good values give one device's bits with x's split and move nothing; a bad
+  scale on one device's shard is reported with its global index."""
+  from jax.experimental import checkify  # pylint: disable=import-outside-toplevel
+
+  mesh = make_mesh("1d")
+  rng = np.random.default_rng(13)
+  x = rng.standard_normal((ROWS, 256)).astype(np.float32)
+  scale = (rng.random(256) + 0.5).astype(np.float32)
+  zero_point = rng.integers(-3, 3, 256).astype(np.int8)
+  quantize = jax.jit(lambda x, s, z: jq.quantize_linear(x, s, z, axis=1))
+  placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in
+            zip((x, scale, zero_point), (P(None, "c"), P("c"), P("c")))]
+  checked = jq.checked(quantize)
+  report("checked 1d quantize_linear per-column -", checked(*placed),
+         quantize(x, scale, zero_point), quantize.lower(*placed).compile().as_text(),
+         NamedSharding(mesh, P(None, "c")), x.size // mesh.size)
+  scale[200] = np.nan  # in the seventh device's shard
+  placed[1] = jax.device_put(scale, NamedSharding(mesh, P("c")))
+  try:
+    checked(*placed)
+  except checkify.JaxRuntimeError as error:
+    assert str(error).startswith(
+        "quantize_linear: scale must be finite and > 0, got nan at index (200,)"), error
+  else:
+    raise AssertionError("a NaN scale on a shard was not reported")
+
+
 def served_model_cases():
   """A Flax NNX MLP served from kernels stored in its layers, split as Megatron splits
   it (the first layer along its outputs, the second along its inputs): one device's
@@ -770,4 +800,5 @@ if __name__ == "__main__":
   explicit_mesh_packing_cases()
   explicit_mesh_layer_cases()
   choose_qparams_cases()
+  checked_cases()
   served_model_cases()

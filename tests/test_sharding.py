@@ -86,6 +86,14 @@ def test_bit_identical_to_one_device(cases):
 
 
 @pytest.mark.slow
+def test_checked_on_a_split_x_keeps_it_split_and_moves_nothing(cases):
+  """The checked mode's value checks run on each shard (a bad scale on one shard is
+  reported with its global index, asserted in the check itself)."""
+  case = cases["checked 1d quantize_linear per-column -"]
+  assert case["equal"] and case["sharding"] and case["collectives"] == [], case
+
+
+@pytest.mark.slow
 def test_served_model_split_megatron_style_moves_no_weight(cases):
   """Kernels stored in an NNX model's layers, split along the first layer's outputs
   and the second's inputs: the integer model is one device's bit for bit, the
