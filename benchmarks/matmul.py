@@ -20,7 +20,7 @@ Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--fea
       the float layer (DynamicQuantizeLinear + MatMulInteger, fused by its
       optimizer), per-column int8 weights;
     - ``qwix`` (only where qwix imports; it is no dependency): x quantized
-      per row at every call, W per column, ``qwix.dot_general``.
+      per row at every call, W stored quantized per column, ``qwix.dot_general``.
 * weight-only int4: W in blocks of 32 along K, packed two per byte.
     - ``jaxquant``: ``dot_general_weight_only`` on a packed int4
       :class:`QuantizedArray` (``quantize_params``, ``axis=0, block_size=32``);
