@@ -31,6 +31,15 @@ def _whole(stored: Any, key: Any) -> Any:
   return stored
 
 
+def _not_an_array(stored: Any) -> None:
+  """What NumPy and ``jnp.asarray`` raise for a stored array, instead of ``int()``'s error:
+  a Flax layer whose dtype promotion ``replace_ops`` has not wrapped hands it to them."""
+  raise TypeError(
+      f"A {type(stored).__name__} is not an array: its float value is .dequantize(), "
+      "and a Flax NNX layer passes it to a jaxquant drop-in once jq.replace_ops(model, ...) "
+      "has set the drop-in (docs/models.md, 'Serving').")
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["values", "scale", "zero_point"],
@@ -89,6 +98,9 @@ class QuantizedArray:
   def __getitem__(self, key: Any) -> QuantizedArray:
     return _whole(self, key)
 
+  def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+    _not_an_array(self)
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -138,6 +150,9 @@ class FakeQuantizedArray:
 
   def __getitem__(self, key: Any) -> FakeQuantizedArray:
     return _whole(self, key)
+
+  def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+    _not_an_array(self)
 
 
 _CONTAINERS = (QuantizedArray, FakeQuantizedArray)

@@ -249,6 +249,10 @@ def test_ellipsis_index_is_the_whole_stored_array(learnable):
   assert stored[...] is stored
   with pytest.raises(TypeError, match=r"key must be \.\.\."):
     stored[0]  # pylint: disable=pointless-statement
+  # Not an array: NumPy and jnp name what to do instead of failing in int().
+  for convert in (np.asarray, jnp.asarray):
+    with pytest.raises(TypeError, match=r"is not an array: its float value is \.dequantize\(\)"):
+      convert(stored)
 
 
 SHARDED = textwrap.dedent("""
