@@ -13,7 +13,8 @@ same data:
   magnitudes' bits where it is NaN or below the least normal float32), or
   that integer max alone from 32K columns;
 * ``jaxquant minmax``: ``choose_qparams(w, uint8, axis=-1, method="minmax")``,
-  min and max (NaN ignored), from two plain reductions of integer keys;
+  min and max (NaN ignored): a float min and max, or from 32K columns two
+  plain reductions of integer keys;
 * ``variadic pair``: one ``lax.reduce`` of the (min, max) keys pair, what
   both used before (and still use where the minor dim is reduced);
 * ``jnp``: ``jnp.max(jnp.abs(w), 0)``, the float max a user writes (NaN not

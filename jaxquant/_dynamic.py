@@ -210,9 +210,8 @@ def _min_max(
     # constant x (a closed-over weight) while compiling, about two seconds
     # per million elements, for a reduce that takes 0.1 ms to run.
     key = _order_key(_numerics.unfolded(view))
-    if view.ndim and view.ndim - 1 not in axes:
-      # Down columns (the minor dim kept) XLA:CPU reduces a variadic pair in scalar
-      # code: two plain reductions were 3-10x faster (benchmarks/reductions.py).
+    if _down_columns(view, axes):
+      # Wide rows (see plain): two plain reductions of the keys.
       low = lax.reduce(key, _order_key(inf), lax.min, axes)
       high = lax.reduce(key, _order_key(-inf), lax.max, axes)
     else:
@@ -223,15 +222,43 @@ def _min_max(
           (key, key), axes)
     return _order_key(low, inverse=True), _order_key(high, inverse=True)
 
+  @_split_among_ties(axes)
+  def float_min_max(view):
+    # Behind a barrier, not unfolded: XLA:CPU hands a plain float min or max to
+    # YNNPACK only without the XOR in its fusion (see _column_magnitude).
+    view = lax.optimization_barrier(view)
+    return jnp.min(view, axes, initial=inf), jnp.max(view, axes, initial=-inf)
+
   def plain(view):
     if windows is not None:
       return low_high(view, inf, lax.min), low_high(view, -inf, lax.max)
+    # Down columns (the minor dim kept) XLA:CPU reduces the keys' variadic pair in
+    # scalar code: a float min and max, which it hands to YNNPACK, were 3-13x
+    # faster, and past _WIDE_COLUMNS two plain reductions of the keys (the float
+    # loop thrashes the cache; benchmarks/reductions.py). The float ones flush
+    # subnormal operands to zero and may give either zero for -0 and +0: every
+    # use adds, compares or divides the extremes in XLA:CPU's float arithmetic,
+    # which reads a subnormal as a zero and -0 as equal to +0, so the scales and
+    # zero points come out the same (tests/test_dynamic.py).
+    if _down_columns(view, axes) and not _wide(view):
+      return float_min_max(view)
     return on_keys(view)
 
   return _ignoring_nan(plain, nan_aware, one_pass, view, to_float32)
 
 
 _WIDE_COLUMNS = 32768
+
+
+def _down_columns(view: jax.Array, axes: tuple[int, ...]) -> bool:
+  """Whether a reduction over ``axes`` keeps the minor dim (one result per column)."""
+  return bool(view.ndim) and view.ndim - 1 not in axes
+
+
+def _wide(view: jax.Array) -> bool:
+  """Rows of at least :data:`_WIDE_COLUMNS` (a symbolic length is not known to be)."""
+  columns = view.shape[-1]
+  return isinstance(columns, int) and columns >= _WIDE_COLUMNS
 
 
 def _by_extremes(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
@@ -294,16 +321,14 @@ def _max_magnitude(
     return (nan_aware(magnitude(view)),)
   if windows is not None:
     return (_ignoring_nan(maximum, nan_aware, nan_aware, view, magnitude),)
-  if view.ndim and view.ndim - 1 not in axes:
+  if _down_columns(view, axes):
     # The minor dim kept (a (K, N) weight per output feature, a kernel per output
     # channel): XLA:CPU reduces the variadic min and max below down each column in
     # scalar code, several times slower than a float max (benchmarks/reductions.py).
-    exact = functools.partial(_column_magnitude_ignoring_nan, axes=axes)
-    columns = view.shape[-1]
     # Past ~16K columns the float max's loop thrashes the cache; the exact one does not.
-    wide = isinstance(columns, int) and columns >= _WIDE_COLUMNS
-    return (_ignoring_nan(exact if wide else functools.partial(_column_magnitude, axes=axes),
-                          exact, exact, view, lambda view: view.astype(jnp.float32)),)
+    exact = functools.partial(_column_magnitude_ignoring_nan, axes=axes)
+    plain = exact if _wide(view) else functools.partial(_column_magnitude, axes=axes)
+    return (_ignoring_nan(plain, exact, exact, view, lambda view: view.astype(jnp.float32)),)
   # max|x| = max(-min x, max x, 0), the same float. XLA:CPU reduces the min
   # and max keys in vectorized code across threads; a float max it hands to
   # YNNPACK, with |x| (or x converted) written out first.

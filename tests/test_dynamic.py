@@ -570,6 +570,30 @@ def test_symmetric_statistics_down_columns():
   assert_bits_equal(jax.grad(scale_sum)(x), jax.grad(by_extremes)(x))
 
 
+@pytest.mark.parametrize("columns", [48, 32768 + 3], ids=["float", "wide keys"])
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8], ids=dtype_name)
+def test_asymmetric_statistics_down_columns(dtype, columns):
+  """Min and max per index of the minor dim: a float min and max (which flush subnormals
+  and may swap -0 and +0), or past 32K columns plain reductions of integer keys. The
+  reference's outputs either way, with NaN, infinities, signed zeros, a subnormal beside
+  normal values, ties and extremes."""
+  rng = np.random.default_rng(8)
+  x = rng.standard_normal((5, columns)).astype(np.float32)
+  big, tiny = np.finfo(np.float32).max, np.float32(1e-45)
+  x[:, :9] = np.array([
+      [np.nan, -np.inf, -0.0, 0.0, 3, big, -tiny, 0, 1],
+      [1, 1, 0.0, -0.0, -3, -big, 5, 0, -1],
+      [-1, 0, -0.0, 0.0, 3, 0, 2, np.inf, 0.5],
+      [0, 0, 0.0, -0.0, -3, 0, 1, 0, -0.5],
+      [2, 0, -0.0, 0.0, 1, 0, tiny, 0, 1],
+  ], np.float32)
+  quantize = jax.jit(functools.partial(jq.dynamic_quantize_linear, dtype=dtype, axis=1,
+                                       implementation="xla"))
+  assert_outputs_equal(quantize(x), reference_dynamic(x, dtype=dtype, axis=1))
+  x[0, 0] = 0.0  # no NaN: the plain reductions' result is kept
+  assert_outputs_equal(quantize(x), reference_dynamic(x, dtype=dtype, axis=1))
+
+
 # --- NaN-free inputs take the plain reductions, NaN ones the NaN-ignoring pass ----------------
 #
 # On CPU the statistics come from plain min/max reductions, and only an x
