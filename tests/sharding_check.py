@@ -741,6 +741,44 @@ def checked_cases():
     raise AssertionError("a NaN scale on a shard was not reported")
 
 
+def calibration_cases():
+  """``calibrate`` of an NNX MLP on batches split along their rows, its parameters whole
+  (data parallel) or split Megatron-style: the first layer's calibrated input scale and
+  zero point are one device's bits (its input is the batch); the second layer observes
+  the first one's float output, which XLA:CPU's float dot sums in an order that depends
+  on the rows and columns each device holds: within float32 rounding."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  class MLP(nnx.Module):
+
+    def __init__(self, rngs):
+      self.up = nnx.Linear(256, 512, rngs=rngs)
+      self.down = nnx.Linear(512, 256, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  mesh = make_mesh("1d")
+  graphdef, state = nnx.split(MLP(nnx.Rngs(1)))
+  rng = np.random.default_rng(14)
+  batches = [rng.standard_normal((64, 256)).astype(np.float32) for _ in range(3)]
+  split = [jax.device_put(batch, NamedSharding(mesh, P("c", None))) for batch in batches]
+  megatron = nnx.State({"up": {"kernel": P(None, "c"), "bias": P("c")},
+                        "down": {"kernel": P("c", None), "bias": P()}})
+  layouts = {
+      "data-parallel": state,
+      "megatron": jax.device_put(state, jax.tree.map(
+          lambda spec: NamedSharding(mesh, spec), megatron,
+          is_leaf=lambda leaf: isinstance(leaf, P))),
+  }
+  want = jq.calibrate(nnx.merge(graphdef, state), batches)["dot_general"]
+  for layout, params in layouts.items():
+    got = jq.calibrate(nnx.merge(graphdef, params), split)["dot_general"]
+    for path in ("up", "down"):
+      report(f"calibrate 1d {layout} {path}", tuple(got[path].keywords.values()),
+             tuple(want[path].keywords.values()), None, NamedSharding(mesh, P()), 0)
+
+
 def served_model_cases():
   """A Flax NNX MLP served from kernels stored in its layers, split as Megatron splits
   it (the first layer along its outputs, the second along its inputs): one device's
@@ -801,4 +839,5 @@ if __name__ == "__main__":
   explicit_mesh_layer_cases()
   choose_qparams_cases()
   checked_cases()
+  calibration_cases()
   served_model_cases()
