@@ -741,12 +741,9 @@ def checked_cases():
     raise AssertionError("a NaN scale on a shard was not reported")
 
 
-def calibration_cases():
-  """``calibrate`` of an NNX MLP on batches split along their rows, its parameters whole
-  (data parallel) or split Megatron-style: the first layer's calibrated input scale and
-  zero point are one device's bits (its input is the batch); the second layer observes
-  the first one's float output, which XLA:CPU's float dot sums in an order that depends
-  on the rows and columns each device holds: within float32 rounding."""
+def _mlp(mesh, *, seed):
+  """A 256-512-256 Flax NNX MLP: ``(nnx, graphdef, state, state split Megatron-style)``,
+  the first layer along its outputs and the second along its inputs."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   class MLP(nnx.Module):
@@ -758,19 +755,26 @@ def calibration_cases():
     def __call__(self, x):
       return self.down(jax.nn.relu(self.up(x)))
 
+  graphdef, state = nnx.split(MLP(nnx.Rngs(seed)))
+  megatron = nnx.State({"up": {"kernel": P(None, "c"), "bias": P("c")},
+                        "down": {"kernel": P("c", None), "bias": P()}})
+  placed = jax.device_put(state, jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), megatron, is_leaf=lambda leaf: isinstance(leaf, P)))
+  return nnx, graphdef, state, placed
+
+
+def calibration_cases():
+  """``calibrate`` of an NNX MLP on batches split along their rows, its parameters whole
+  (data parallel) or split Megatron-style: the first layer's calibrated input scale and
+  zero point are one device's bits (its input is the batch); the second layer observes
+  the first one's float output, which XLA:CPU's float dot sums in an order that depends
+  on the rows and columns each device holds: within float32 rounding."""
   mesh = make_mesh("1d")
-  graphdef, state = nnx.split(MLP(nnx.Rngs(1)))
+  nnx, graphdef, state, megatron = _mlp(mesh, seed=1)
   rng = np.random.default_rng(14)
   batches = [rng.standard_normal((64, 256)).astype(np.float32) for _ in range(3)]
   split = [jax.device_put(batch, NamedSharding(mesh, P("c", None))) for batch in batches]
-  megatron = nnx.State({"up": {"kernel": P(None, "c"), "bias": P("c")},
-                        "down": {"kernel": P("c", None), "bias": P()}})
-  layouts = {
-      "data-parallel": state,
-      "megatron": jax.device_put(state, jax.tree.map(
-          lambda spec: NamedSharding(mesh, spec), megatron,
-          is_leaf=lambda leaf: isinstance(leaf, P))),
-  }
+  layouts = {"data-parallel": state, "megatron": megatron}
   want = jq.calibrate(nnx.merge(graphdef, state), batches)["dot_general"]
   for layout, params in layouts.items():
     got = jq.calibrate(nnx.merge(graphdef, params), split)["dot_general"]
@@ -785,25 +789,9 @@ def served_model_cases():
   logits (weight-only's float dot, split along K, within float32 rounding of them),
   and no device receives another's weight. The kernels are quantized where they lie
   (quantize_params keeps each dim's split)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  class MLP(nnx.Module):
-
-    def __init__(self, rngs):
-      self.up = nnx.Linear(256, 512, rngs=rngs)
-      self.down = nnx.Linear(512, 256, rngs=rngs)
-
-    def __call__(self, x):
-      return self.down(jax.nn.relu(self.up(x)))
-
   mesh = make_mesh("1d")
   x = np.random.default_rng(8).standard_normal((16, 256)).astype(np.float32)
-  graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
-  specs = {"up": {"kernel": P(None, "c"), "bias": P("c")},
-           "down": {"kernel": P("c", None), "bias": P()}}
-  placed = jax.device_put(state, jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec), nnx.State(specs),
-      is_leaf=lambda leaf: isinstance(leaf, P)))
+  nnx, graphdef, state, placed = _mlp(mesh, seed=0)
   for flow, rule, op in [
       ("dynamic_int8", jq.QuantizationRule(pattern="kernel"), jq.dot_general_dynamic_int8),
       ("weight_only_int4", jq.QuantizationRule(pattern="kernel", dtype=jnp.int4, axis=-2,
