@@ -460,3 +460,22 @@ def test_einsum_layer_trains_with_its_learnable_kernel_held():
 
   held, dequantized = (jax.value_and_grad(loss)(params, held) for held in (True, False))
   jax.tree.map(np.testing.assert_array_equal, held, dequantized)
+
+
+def test_einsum_layer_with_a_stored_kernel_under_jit_vmap_and_export():
+  """The stored-kernel einsum as models call it: nnx.jit, vmap over examples, and
+  jax.export with a symbolic batch, each the eager call's bits."""
+  einsum = nnx.Einsum("btd,dnh->btnh", (16, 2, 8), (2, 8), rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(einsum)
+  served = nnx.merge(graphdef, jq.quantize_params(
+      state, jq.QuantizationRule(pattern="kernel")))
+  jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8)
+  x = jnp.asarray(X_TEST[:3]).reshape(3, 4, 16)
+  eager = served(x)
+  np.testing.assert_array_equal(nnx.jit(lambda module, x: module(x))(served, x), eager)
+  np.testing.assert_array_equal(jax.vmap(lambda row: served(row[None])[0])(x), eager)
+  graphdef, stored = nnx.split(served)
+  forward = jax.jit(lambda stored, x: nnx.merge(graphdef, stored)(x))
+  exported = jax.export.export(forward)(
+      stored, jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 4, 16"), jnp.float32))
+  np.testing.assert_array_equal(exported.call(stored, x), eager)
