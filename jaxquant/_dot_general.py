@@ -300,7 +300,7 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
 def _trained(rhs: Any) -> Any:
   """A :class:`FakeQuantizedArray` ``rhs`` dequantized (its LSQ gradient), or the
   :class:`QuantizedArray` :func:`quantize_params` deploys it as (the same bits), else as given."""
-  return rhs.dequantize() if isinstance(rhs, _params._CONTAINERS) else rhs
+  return rhs.dequantize() if _params._is_container(rhs) else rhs
 
 
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
@@ -452,7 +452,7 @@ def dot_general_fake_quant(
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-  return x.shape if _stored(x) else jnp.shape(x)
+  return x.shape if _params._is_container(x) else jnp.shape(x)
 
 
 def _conv_numbers(lhs, rhs, dimension_numbers):
@@ -877,10 +877,6 @@ def _chosen(op: Op | None, path: str):
   return op
 
 
-def _stored(x: Any) -> bool:
-  return isinstance(x, _params._CONTAINERS)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Einsum:
   """``jnp.einsum`` with its contractions run by ``op``; a stored operand goes to ``op`` whole.
@@ -896,7 +892,7 @@ class _Einsum:
 
   def __call__(self, subscripts: str, *operands: Any, out_sharding: Any = None,
                **kwargs: Any) -> jax.Array:
-    if not any(_stored(x) for x in operands):
+    if not any(_params._is_container(x) for x in operands):
       return jnp.einsum(subscripts, *operands, out_sharding=out_sharding,
                         _dot_general=self.op, **kwargs)
     spec = subscripts.replace(" ", "")
@@ -947,11 +943,13 @@ class _PassingStored:
   promote: Callable[..., Any]
 
   def __call__(self, args: Sequence[Any], /, **kwargs: Any) -> Any:
-    if not any(_stored(x) for x in args):
+    stored = [_params._is_container(x) for x in args]
+    if not any(stored):
       return self.promote(args, **kwargs)
     promoted = self.promote(
-        tuple(jnp.zeros((), _stored_dtype(x)) if _stored(x) else x for x in args), **kwargs)
-    return tuple(_as_dtype(x, y.dtype) if _stored(x) else y for x, y in zip(args, promoted))
+        tuple(jnp.zeros((), _stored_dtype(x)) if s else x for x, s in zip(args, stored)),
+        **kwargs)
+    return tuple(_as_dtype(x, y.dtype) if s else y for x, y, s in zip(args, promoted, stored))
 
 
 def _stored_dtype(x: Any) -> np.dtype:

@@ -230,9 +230,9 @@ def test_conv_weight_only_drop_in_on_the_cnn(trained, dtype, block_size):
     assert abs(accuracy(logits) - float_accuracy) <= 0.5
 
 
-def _stored_kernels(module):
-  state = nnx.state(module)
-  return [leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+def _stored_kernels(tree):
+  """The QuantizedArray leaves of a pytree (an NNX State), in its order."""
+  return [leaf for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(
       x, jq.QuantizedArray)) if isinstance(leaf, jq.QuantizedArray)]
 
 
@@ -250,7 +250,7 @@ def test_stored_int8_kernels_serve_dynamic_int8_bit_for_bit(trained, name):
   served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule(pattern="kernel")))
   jq.replace_ops(served, **ops)
   jq.replace_ops(model, **ops)
-  kernels = _stored_kernels(served)
+  kernels = _stored_kernels(nnx.state(served))
   assert len(kernels) == {"mlp": 2, "cnn": 3}[name]
   assert {k.values.dtype for k in kernels} == {np.dtype(np.int8)}
   run = nnx.jit(lambda m, x: m(x))
@@ -276,7 +276,8 @@ def test_stored_kernels_serve_static_int8_and_weight_only_bit_for_bit(trained):
   rule = jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=16)
   served = nnx.merge(graphdef, jq.quantize_params(state, rule))
   jq.replace_ops(served, dot_general=jq.dot_general_weight_only)
-  assert {k.values.dtype for k in _stored_kernels(served)} == {np.dtype(np.uint8)}  # packed
+  packed = {k.values.dtype for k in _stored_kernels(nnx.state(served))}
+  assert packed == {np.dtype(np.uint8)}
   np.testing.assert_array_equal(
       served(X_TEST), weight_only_ptq(_fresh(trained, "mlp")[0], X_TEST, rule))
 
@@ -362,9 +363,7 @@ def test_qat_int8_mlp_within_half_a_point_and_deploys_bit_for_bit(trained):
   graphdef, _ = nnx.split(model)
   fake_quant = nnx.merge(graphdef, jq.dequantize_params(params))(X_TEST)
   np.testing.assert_array_equal(logits, fake_quant)
-  kernels = [leaf for leaf in jax.tree.leaves(deployed, is_leaf=lambda x: isinstance(
-      x, jq.QuantizedArray)) if isinstance(leaf, jq.QuantizedArray)]
-  assert [k.values.dtype for k in kernels] == [jnp.int8, jnp.int8]
+  assert [k.values.dtype for k in _stored_kernels(deployed)] == [jnp.int8, jnp.int8]
   # The learnable kernels can sit in the layers while training, too: the same loss and gradient.
   def loss(params, held):
     module = nnx.merge(graphdef, params if held else jq.dequantize_params(params))
