@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
+import string
 import types
 from typing import Any
 
@@ -72,6 +73,7 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
   """
   if not isinstance(rhs, _params.QuantizedArray):
     return _quantize_symmetric(rhs, reduced, info)
+  _params.element(rhs, "rhs")
   # quantize_params stores a non-negative axis; one built by hand may count from the end
   # (dequantize() reads it so): normalized, a reduced dim so counted is not taken for a kept one.
   axis = None if rhs.axis is None else rhs.axis % max(len(rhs.shape), 1)
@@ -300,13 +302,13 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
 def _trained(rhs: Any) -> Any:
   """A :class:`FakeQuantizedArray` ``rhs`` dequantized (its LSQ gradient), or the
   :class:`QuantizedArray` :func:`quantize_params` deploys it as (the same bits), else as given."""
-  return rhs.dequantize() if _params._is_container(rhs) else rhs
+  return _params.element(rhs, "rhs").dequantize() if _params._is_container(rhs) else rhs
 
 
 def _weight_only(rhs, contracting, *, dtype, block_size, method):
   """rhs fake-quantized per output feature, or in blocks along its one contracting dim."""
   if isinstance(rhs, _params.QuantizedArray):
-    return rhs.dequantize()
+    return _params.element(rhs, "rhs").dequantize()
   rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
   contracting = [d % rhs.ndim for d in contracting]
   _validate.check(
@@ -636,7 +638,7 @@ def conv_general_dilated_weight_only(
   """
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   if isinstance(rhs, _params.QuantizedArray):
-    weight = rhs.dequantize()
+    weight = _params.element(rhs, "rhs").dequantize()
   else:
     rhs = _dtypes.float_input("rhs", jnp.asarray(rhs))
     out_feature, in_feature = numbers.rhs_spec[:2]
@@ -899,10 +901,14 @@ class _Einsum:
     inputs, arrow, output = spec.partition("->")
     labels = inputs.split(",")
     _validate.check(
-        len(operands) == 2 and len(labels) == 2 and arrow and "." not in spec
-        and all(len(set(x)) == len(x) for x in (*labels, output))
+        len(operands) == 2 and len(labels) == 2 and arrow, "subscripts",
+        "two operands and an explicit output ('->') (with a stored operand)", repr(subscripts),
+    )
+    labels, output = _ellipsis_labelled(labels, output, operands, spec)
+    _validate.check(
+        all(len(set(x)) == len(x) for x in (*labels, output))
         and all(len(x) == len(_shape(y)) for x, y in zip(labels, operands))
-        and set(output) <= set(inputs) - {","},
+        and set(output) <= set("".join(labels)),
         "subscripts", "two operands' labels and the output's, each label once per term "
         "(with a stored operand)", repr(subscripts),
     )
@@ -929,6 +935,23 @@ class _Einsum:
     return product if in_order else jnp.transpose(product, [result.index(x) for x in output])
 
 
+def _ellipsis_labelled(labels: Sequence[str], output: str, operands: Sequence[Any],
+                       spec: str) -> tuple[list[str], str]:
+  """The einsum's terms with each ``...`` written as letters the spec does not use,
+  aligned from the right as NumPy broadcasts them."""
+  if "..." not in spec:
+    return list(labels), output
+  spans = [len(_shape(x)) - len(term.replace("...", "")) for term, x in zip(labels, operands)
+           if "..." in term]
+  free = [c for c in string.ascii_letters if c not in spec]
+  _validate.check(min(spans) >= 0 and max(spans) <= len(free), "subscripts",
+                  "an ellipsis standing for dims the operand has", repr(spec))
+  fresh = "".join(free[:max(spans)])
+  labels = [term.replace("...", fresh[len(fresh) - (len(_shape(x)) - len(term) + 3):])
+            if "..." in term else term for term, x in zip(labels, operands)]
+  return labels, output.replace("...", fresh)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _PassingStored:
   """A layer's dtype promotion (Flax NNX's ``promote_dtype``) that lets a stored kernel through.
@@ -953,15 +976,17 @@ class _PassingStored:
 
 
 def _stored_dtype(x: Any) -> np.dtype:
-  return x.output_dtype if isinstance(x, _params.QuantizedArray) else x.value.dtype
+  if isinstance(x, _params.QuantizedArray) or x.output_dtype is not None:
+    return x.output_dtype
+  return x.value.dtype
 
 
 def _as_dtype(x: Any, dtype: np.dtype) -> Any:
-  if _stored_dtype(x) == dtype:
+  """x dequantizing to ``dtype``, which it reaches as a float kernel would: dequantized
+  in its own dtype first (float64 from float32, which no dequantize returns, in the dot)."""
+  if _stored_dtype(x) == dtype or dtype not in _dtypes.OUTPUT_FLOAT_DTYPES:
     return x
-  if isinstance(x, _params.QuantizedArray):
-    return dataclasses.replace(x, output_dtype=np.dtype(dtype))
-  return dataclasses.replace(x, value=x.value.astype(dtype))
+  return dataclasses.replace(x, output_dtype=np.dtype(dtype))
 
 
 def layers(module: Any) -> dict[str, tuple[Any, str]]:
@@ -1061,6 +1086,9 @@ def replace_ops(
         op = _Einsum(op)
     if op is not None:
       setattr(layer, attribute, op)
+      if getattr(layer, "dot_general_cls", None) is not None:
+        # Flax's LinearGeneral calls dot_general_cls() in preference to dot_general.
+        layer.dot_general_cls = None
       promote = getattr(layer, "promote_dtype", None)
       if callable(promote) and not isinstance(promote, _PassingStored):
         layer.promote_dtype = _PassingStored(promote)

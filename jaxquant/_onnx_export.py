@@ -151,6 +151,7 @@ def export_onnx(
       isinstance(weight, _params.QuantizedArray), "weight", "a QuantizedArray",
       type(weight).__name__, error=TypeError,
   )
+  _params.element(weight, "weight")
   _validate.check(len(weight.shape) == 2, "weight.shape", "(in, out)", weight.shape)
   _validate.check(
       activations in ("float", "dynamic_int8", "fake_quant"), "activations",

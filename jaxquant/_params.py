@@ -35,9 +35,12 @@ def _not_an_array(stored: Any) -> None:
   """What NumPy and ``jnp.asarray`` raise for a stored array, instead of ``int()``'s error:
   a Flax layer whose dtype promotion ``replace_ops`` has not wrapped hands it to them."""
   raise TypeError(
-      f"A {type(stored).__name__} is not an array: its float value is .dequantize(), "
-      "and a Flax NNX layer passes it to a jaxquant drop-in once jq.replace_ops(model, ...) "
-      "has set the drop-in (docs/models.md, 'Serving').")
+      f"A {type(stored).__name__} is not an array: its float value is .dequantize(). "
+      "A Flax NNX layer passes it to a jaxquant drop-in once jq.replace_ops(model, ...) "
+      "has set the drop-in; a layer replace_ops does not reach (it has no dot_general, "
+      "conv_general_dilated or einsum_op: nnx.Embed, nnx.ConvTranspose) needs its "
+      "parameter float: keep it out of the rule's pattern, or dequantize_params "
+      "(docs/models.md, 'Serving').")
 
 
 @functools.partial(
@@ -64,7 +67,9 @@ class QuantizedArray:
     scale: float32 scale: ``()``, ``(shape[axis],)`` or blocked (``shape``'s rank).
     zero_point: in ``dtype`` shaped like ``scale``, or ``None`` (symmetric).
     dtype: the quantized dtype (static).
-    shape: the logical shape (static).
+    shape: the logical shape (static): of one layer, for a stack of layers
+      (``QuantizationRule.stacked_dims``), whose arrays carry leading stack dims
+      that ``nnx.scan`` and ``jax.vmap`` slice off.
     axis: the quantization axis, non-negative, or ``None`` per tensor (static).
     block_size: block length along ``axis``, 0 if not blocked (static).
     packed: whether ``values`` holds packed bytes (static).
@@ -82,13 +87,17 @@ class QuantizedArray:
   output_dtype: np.dtype
 
   def dequantize(self) -> jax.Array:
-    """The float tensor, :func:`dequantize_linear` of the values (bit for bit)."""
+    """The float tensor, :func:`dequantize_linear` of the values (bit for bit); a stack's
+    layers each so, stacked."""
     sub_byte = self.packed or _dtypes.quantized_dtype("dtype", self.dtype).as_codes
-    return _linear.dequantize_linear(
-        self.values, self.scale, self.zero_point, axis=self.axis, block_size=self.block_size,
+    dequantize = functools.partial(
+        _linear.dequantize_linear, axis=self.axis, block_size=self.block_size,
         output_dtype=self.output_dtype, packed_shape=self.shape if self.packed else None,
         packed_dtype=self.dtype if sub_byte else None,
     )
+    for _ in range(stacked_dims(self)):
+      dequantize = jax.vmap(dequantize)
+    return dequantize(self.values, self.scale, self.zero_point)
 
   @property
   def nbytes(self) -> int:
@@ -105,7 +114,7 @@ class QuantizedArray:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["value", "scale"],
-    meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor"],
+    meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor", "output_dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class FakeQuantizedArray:
@@ -126,6 +135,9 @@ class FakeQuantizedArray:
     block_size: block length along ``axis``, 0 if not blocked (static).
     packed: whether the deployed values are packed (static).
     grad_factor: LSQ's scale gradient factor (static).
+    output_dtype: the float dtype :meth:`dequantize` returns, ``None`` for the
+      weight's (static). The weight is fake-quantized in its own dtype first, as
+      :meth:`QuantizedArray.dequantize` of the deployed weight computes.
   """
 
   value: jax.Array
@@ -135,13 +147,16 @@ class FakeQuantizedArray:
   block_size: int
   packed: bool
   grad_factor: float
+  output_dtype: np.dtype | None = None
 
   def dequantize(self) -> jax.Array:
-    """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype."""
-    return _fake.fake_quantize_learnable(
+    """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype,
+    then cast to ``output_dtype``."""
+    weight = _fake.fake_quantize_learnable(
         self.value, self.scale, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
         grad_factor=self.grad_factor,
     )
+    return weight if self.output_dtype is None else weight.astype(self.output_dtype)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -156,6 +171,50 @@ class FakeQuantizedArray:
 
 
 _CONTAINERS = (QuantizedArray, FakeQuantizedArray)
+
+
+def stacked_dims(x: QuantizedArray, argument: str = "x") -> int:
+  """How many leading stack dims x's arrays have beyond its static layout.
+
+  Raises:
+    ValueError: if the arrays do not hold ``shape`` (their leading dims sliced
+      off, as ``nnx.scan`` does to a stack quantized as one tensor), or the
+      scale and zero point lack the values' stack dims.
+  """
+  shape, values = tuple(x.shape), tuple(np.shape(x.values))
+  layouts = [shape]
+  if x.packed:
+    bits = _dtypes.quantized_dtype("dtype", x.dtype).bits
+    layouts = [(_packing.packed_size(math.prod(shape), bits),)]
+    if len(shape) > 1:
+      layouts.insert(0, shape[:-1] + (_packing.packed_size(shape[-1], bits),))
+  stacked = [len(values) - len(layout) for layout in layouts
+             if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
+  stack = values[:stacked[0]] if stacked else None
+  _validate.check(
+      stack is not None and all(np.shape(y)[:len(stack)] == stack
+                                for y in (x.scale, x.zero_point) if y is not None),
+      f"{argument}.values.shape",
+      f"{shape}'s values{' packed' if x.packed else ''}, after any leading stack dims "
+      "that scale and zero point share (arrays sliced along a dim of the layout, as "
+      "nnx.scan or nnx.vmap slice a stack of layers quantized as one tensor? quantize "
+      "it with QuantizationRule(stacked_dims=...), each layer on its own)",
+      f"{values} (scale {np.shape(x.scale)})",
+  )
+  return len(stack)
+
+
+def element(x: Any, argument: str) -> Any:
+  """x, checked to be one layer's :class:`QuantizedArray`, not a stack; other x as given."""
+  if isinstance(x, QuantizedArray):
+    stack = stacked_dims(x, argument)
+    _validate.check(
+        stack == 0, argument,
+        "one layer's QuantizedArray (a stack of layers is sliced by nnx.scan or "
+        "nnx.vmap; .dequantize() gives the whole float stack)",
+        f"a stack of {np.shape(x.values)[:stack]} QuantizedArrays of shape {x.shape}",
+    )
+  return x
 
 
 def _is_container(leaf: Any) -> bool:
@@ -181,6 +240,10 @@ class QuantizationRule:
     method: the :func:`choose_qparams` recipe; ``"minmax"`` keeps a zero point.
     min_ndim: parameters of lower rank (biases, norms) are left float.
     packed: store sub-byte dtypes packed (ONNX's layout), else one per byte.
+    stacked_dims: leading dims that index a stack of layers (Flax NNX layers
+      made by ``nnx.vmap`` and run by ``nnx.scan``): each layer is quantized on
+      its own, as if alone (``axis`` and ``min_ndim`` count its dims), and the
+      stored arrays keep the stack dims for ``nnx.scan`` to slice.
   """
 
   pattern: str = ".*"
@@ -190,6 +253,7 @@ class QuantizationRule:
   method: _recipes.Method = "absmax"
   min_ndim: int = 2
   packed: bool = True
+  stacked_dims: int = 0
 
 
 def path_name(path: Sequence[Any]) -> str:
@@ -209,7 +273,7 @@ def _rule_for(rules, name: str, leaf: Any) -> QuantizationRule | None:
   if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)):
     return None
   for rule in rules:
-    if re.search(rule.pattern, name) and np.ndim(leaf) >= rule.min_ndim:
+    if re.search(rule.pattern, name) and np.ndim(leaf) - rule.stacked_dims >= rule.min_ndim:
       return rule if rule.dtype is not None else None
   return None
 
@@ -387,7 +451,13 @@ def quantize_params(
     rule = _rule_for(rules, path_name(path), leaf)
     if rule is None:
       return leaf
-    return (_learnable if learnable else _quantize)(leaf, rule)
+    _validate.check(
+        not (learnable and rule.stacked_dims), "rule.stacked_dims",
+        "0 with learnable=True (a FakeQuantizedArray holds one layer)", rule.stacked_dims)
+    layer = functools.partial(_quantize, rule=rule)
+    for _ in range(rule.stacked_dims):
+      layer = jax.vmap(layer)
+    return (_learnable(leaf, rule) if learnable else layer(leaf))
 
   return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_container)
 

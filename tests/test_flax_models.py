@@ -420,6 +420,8 @@ def test_drop_ins_as_constructor_arguments_and_einsum():
     ("bd,do->bo", (64, 8), -1, (16, 64)),          # the dot's own order
     ("bd,od->ob", (8, 64), 0, (16, 64)),           # transposed to the output's labels
     ("btd,do->bto", (16, 8), -1, (16, 4, 16)),
+    ("...d,do->...o", (16, 8), -1, (16, 4, 16)),  # the ellipsis written out as labels
+    ("...d,do->o...", (16, 8), -1, (16, 4, 16)),
 ])
 def test_einsum_layer_with_a_stored_kernel(subscripts, kernel_shape, axis, rows):
   """nnx.Einsum holding a QuantizedArray: the per-call dynamic int8 product's bits."""
@@ -435,8 +437,10 @@ def test_einsum_layer_with_a_stored_kernel(subscripts, kernel_shape, axis, rows)
   if subscripts == "bd,do->bo":
     with pytest.raises(ValueError, match="summed within one operand"):
       served.einsum_op("bd,dk->k", x, stored)
-    with pytest.raises(ValueError, match="each label once"):
+    with pytest.raises(ValueError, match="two operands"):
       served.einsum_op("bd,dk->bk", x, stored, x)
+    with pytest.raises(ValueError, match="each label once"):
+      served.einsum_op("bdd,dk->bk", x[:, :, None], stored)
   if subscripts == "bd,od->ob":
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     with pytest.raises(ValueError, match="out_sharding"):
@@ -478,3 +482,120 @@ def test_einsum_layer_with_a_stored_kernel_under_jit_vmap_and_export():
   exported = jax.export.export(forward)(
       stored, jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 4, 16"), jnp.float32))
   np.testing.assert_array_equal(exported.call(stored, x), eager)
+
+
+class _Stack(nnx.Module):
+  """Layers made by nnx.vmap and run by nnx.scan: their kernels stacked along a first dim."""
+
+  def __init__(self, layers, features, *, rngs):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(features, features, rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def step(layer, x):
+      return jax.nn.relu(layer(x))
+
+    return step(self.layers, x)
+
+
+@pytest.mark.parametrize("rule, op", [
+    (jq.QuantizationRule(pattern="kernel", stacked_dims=1), jq.dot_general_dynamic_int8),
+    (jq.QuantizationRule(pattern="kernel", stacked_dims=1, dtype=jnp.int4, axis=-2,
+                         block_size=4), jq.dot_general_weight_only),
+])
+def test_stacked_layers_serve_under_scan(rule, op):
+  """Each layer of a stack is quantized on its own and nnx.scan slices the stored arrays:
+  dynamic int8 gives the float-kernel model's bits, weight-only dequantize_params'."""
+  x = jnp.asarray(X_TEST[:5, :16])
+  model = _Stack(3, 16, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  stored = jq.quantize_params(state, rule)
+  stack = stored["layers"]["kernel"].get_value()
+  one_layer = dataclasses.replace(rule, pattern=".*", stacked_dims=0)
+  for i, kernel in enumerate(state["layers"]["kernel"].get_value()):
+    alone = jq.quantize_params(kernel, one_layer)
+    np.testing.assert_array_equal(stack.values[i], alone.values)
+    np.testing.assert_array_equal(stack.scale[i], alone.scale)
+  assert stored["layers"]["bias"].get_value().dtype == jnp.float32  # a layer's rank: 1
+  served = nnx.merge(graphdef, stored)
+  jq.replace_ops(served, dot_general=op)
+  if op is jq.dot_general_dynamic_int8:
+    jq.replace_ops(model, dot_general=op)
+    want = model(x)
+  else:
+    want = nnx.merge(graphdef, jq.dequantize_params(stored))(x)
+  np.testing.assert_array_equal(served(x), want)
+  np.testing.assert_array_equal(nnx.jit(lambda module, x: module(x))(served, x), want)
+  with pytest.raises(ValueError, match="one layer's QuantizedArray"):
+    op(x, stack, (((1,), (0,)), ((), ())))
+
+
+def test_a_stack_quantized_as_one_tensor_is_refused_under_scan():
+  """Without stacked_dims the scale runs along the output features of all layers at once:
+  scan would slice it as if per layer (silently, with as many layers as features)."""
+  model = _Stack(16, 16, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule(pattern="kernel")))
+  jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8)
+  with pytest.raises(ValueError, match="stacked_dims"):
+    served(jnp.asarray(X_TEST[:5, :16]))
+
+
+def test_stored_kernels_of_a_float64_input_under_x64():
+  """x64 on, a NumPy float64 input: the stored kernel dequantizes to float32 and the dot
+  promotes it, as the float32 weight of dequantize_params does."""
+  x = np.asarray(X_TEST[:4], np.float64)
+  with jax.enable_x64(True):
+    dense = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(dense)
+    rule = jq.QuantizationRule(pattern="kernel", dtype=jnp.int4, axis=-2, block_size=16)
+    stored = jq.quantize_params(state, rule)
+    want = nnx.merge(graphdef, jq.dequantize_params(stored))(x)
+    for op in (jq.dot_general_weight_only, jq.dot_general_fake_quant):
+      served = nnx.merge(graphdef, stored)
+      jq.replace_ops(served, dot_general=op)
+      got = served(x)
+      assert got.dtype == jnp.float64
+      if op is jq.dot_general_weight_only:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype, block_size", [(jnp.int8, 0), (jnp.int4, 16)])
+def test_bfloat16_layer_trains_with_its_learnable_kernel_held_as_deployed(dtype, block_size):
+  """A bfloat16 layer's held FakeQuantizedArray fake-quantizes the float32 weight, then
+  casts: training's forward is the deployed model's, bit for bit."""
+  x = jnp.asarray(X_TEST[:16])
+  dense = nnx.Linear(64, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  jq.replace_ops(dense, dot_general=jq.dot_general_fake_quant)
+  graphdef, state = nnx.split(dense)
+  rule = jq.QuantizationRule(
+      pattern="kernel", dtype=dtype, axis=-2 if block_size else -1, block_size=block_size)
+  trained = jq.quantize_params(state, rule, learnable=True)
+  held = nnx.merge(graphdef, trained)(x)
+  np.testing.assert_array_equal(held, nnx.merge(graphdef, jq.quantize_params(trained))(x))
+  np.testing.assert_array_equal(held, nnx.merge(graphdef, jq.dequantize_params(trained))(x))
+
+
+def test_replace_ops_overrides_a_dot_general_class():
+  """nnx.LinearGeneral calls dot_general_cls() in preference to dot_general."""
+  x = jnp.asarray(X_TEST[:4])
+  layer = nnx.LinearGeneral(64, 8, dot_general_cls=lambda: jax.lax.dot_general,
+                            rngs=nnx.Rngs(0))
+  assert jq.replace_ops(layer, dot_general=jq.dot_general_dynamic_int8) == [""]
+  assert layer.dot_general_cls is None
+  np.testing.assert_array_equal(layer(x), jq.dot_general_dynamic_int8(
+      x, layer.kernel[...], (((1,), (0,)), ((), ()))) + layer.bias[...])
+
+
+def test_a_layer_replace_ops_does_not_reach_names_itself():
+  embed = nnx.Embed(10, 8, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(embed)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule()))
+  assert jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8) == []
+  with pytest.raises(TypeError, match="nnx.Embed"):
+    served(jnp.arange(3))

@@ -349,3 +349,40 @@ def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
 def test_errors_name_the_argument(rules, learnable, error, match):
   with pytest.raises(error, match=match):
     jq.quantize_params(PARAMS, rules, learnable=learnable)
+
+
+@pytest.mark.parametrize("rule", LAYOUTS, ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}")
+def test_a_stack_is_each_layer_quantized_alone(rule):
+  """stacked_dims=2: a (2, 3) grid of (70, 16) layers, each quantized as if alone; the
+  stack dequantizes to the stacked layers, and vmap or indexing its arrays gives a layer."""
+  stack = jax.random.normal(KEY, (2, 3, 70, 16))
+  stored = jq.quantize_params(stack, dataclasses.replace(rule, stacked_dims=2))
+  assert stored.shape == (70, 16)
+  want = [[jq.quantize_params(layer, rule) for layer in row] for row in stack]
+  dequantized = stored.dequantize()
+  assert dequantized.shape == stack.shape
+  for i, j in np.ndindex(2, 3):
+    layer = jax.tree.map(lambda x, i=i, j=j: x[i, j], stored)
+    jax.tree.map(np.testing.assert_array_equal, layer, want[i][j])
+    np.testing.assert_array_equal(dequantized[i, j], want[i][j].dequantize())
+  np.testing.assert_array_equal(jax.vmap(jax.vmap(lambda x: x.dequantize()))(stored), dequantized)
+
+
+def test_stacked_dims_counts_a_layers_rank_and_refuses_learnable():
+  params = {"kernel": jnp.ones((4, 8, 8)), "bias": jnp.ones((4, 8))}
+  stored = jq.quantize_params(params, jq.QuantizationRule(stacked_dims=1))
+  assert isinstance(stored["kernel"], jq.QuantizedArray)
+  assert stored["bias"] is params["bias"]
+  with pytest.raises(ValueError, match="stacked_dims"):
+    jq.quantize_params(params, jq.QuantizationRule(stacked_dims=1), learnable=True)
+  with pytest.raises(ValueError, match="one layer's QuantizedArray"):
+    jq.export_onnx(stored["kernel"])
+
+
+def test_arrays_sliced_under_a_static_layout_are_refused():
+  """What nnx.scan does to a stack quantized as one tensor: the arrays lose a dim, the
+  static shape does not."""
+  stored = jq.quantize_params(jnp.ones((4, 8, 8)), jq.QuantizationRule())
+  sliced = jax.tree.map(lambda x: x[0], stored)
+  with pytest.raises(ValueError, match="stacked_dims"):
+    sliced.dequantize()
