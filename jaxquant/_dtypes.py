@@ -195,6 +195,8 @@ def float_input(argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
 
 def scale_array(argument: str, scale: Any) -> jax.Array:
   """``scale`` as an array; a Python float is float32 (not float64 under x64)."""
+  _validate.check(scale is not None, argument, "a float array (a scale is required)", None,
+                  error=TypeError)
   scale = jnp.asarray(scale)
   if scale.weak_type and jnp.issubdtype(scale.dtype, jnp.floating):
     scale = scale.astype(jnp.float32)

@@ -241,7 +241,11 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
 
   def on_cpu(lhs, rhs):
     ((lhs_k,), _), (lhs_batch, _) = dimension_numbers
-    rows = math.prod(n for d, n in enumerate(lhs.shape) if d != lhs_k and d not in lhs_batch)
+    free = [d for d in range(lhs.ndim) if d != lhs_k and d not in lhs_batch]
+    if len(free) > 1 and _sharding.split_dims(lhs) & set(free):
+      # An explicit mesh cannot type the merge of split free dims into rows.
+      return int8(lhs, rhs)
+    rows = math.prod(lhs.shape[d] for d in free)
     # A symbolic row count (jax.export) may be large: the bfloat16 dot.
     if isinstance(rows, int) and rows <= _INT8_DOT_MAX_ROWS:
       return _int8_rows_dot(lhs, rhs, dimension_numbers)
@@ -372,6 +376,23 @@ def _check_dimensions(lhs_shape, rhs_shape, dimension_numbers):
         all(0 <= d < len(shape) for d in dims), f"dimension_numbers' {name}",
         f"dims in [0, {len(shape)}) (non-negative, as lax.dot_general takes them)", dims,
     )
+  for name, contracting, batch in [("lhs", lhs_contracting, lhs_batch),
+                                   ("rhs", rhs_contracting, rhs_batch)]:
+    dims = (*contracting, *batch)
+    _validate.check(
+        len(set(dims)) == len(dims), "dimension_numbers",
+        f"each of {name}'s dims once among its contracting and batch dims (as "
+        "lax.dot_general takes them)", dimension_numbers,
+    )
+  _validate.check(
+      len(lhs_contracting) == len(rhs_contracting) and len(lhs_batch) == len(rhs_batch),
+      "dimension_numbers", "as many lhs as rhs contracting dims, and batch dims",
+      dimension_numbers,
+  )
+  _validate.check(
+      [lhs_shape[d] for d in lhs_batch] == [rhs_shape[d] for d in rhs_batch],
+      "rhs.shape", f"equal to lhs.shape {lhs_shape} on the batch dims", rhs_shape,
+  )
   _validate.check(
       [lhs_shape[d] for d in lhs_contracting] == [rhs_shape[d] for d in rhs_contracting],
       "rhs.shape", f"equal to lhs.shape {lhs_shape} on the contracting dims",
@@ -586,18 +607,24 @@ def _fake_quantized_dot(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero
 def _fake_quantized_dot_jit(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point, *,
                             dimension_numbers, preferred_element_type, dtypes):
   # A same-rank scale with 1 on the contracting dims is a block-wise broadcast
-  # scale to quantize_linear: one scale per (row, all of K) block.
+  # scale to quantize_linear: one scale per (row, all of K) block. quantize_linear
+  # takes the zero point in the scale's shape, where this op takes either per tensor.
+  def alike(scale, zero_point):
+    if zero_point is None or jnp.shape(zero_point) == jnp.shape(scale):
+      return scale, zero_point
+    return jnp.broadcast_arrays(scale, zero_point)
+
   def quantized(x, scale, zero_point, dtype):
     if dtype is None:
       return x
-    return _linear.quantize_linear(x, scale, zero_point, axis=None, output_dtype=dtype)
+    return _linear.quantize_linear(x, *alike(scale, zero_point), axis=None, output_dtype=dtype)
 
   def fake(x, scale, zero_point, dtype):
     if dtype is None:  # an integer operand: its values
       x = x.astype(jnp.float32)
       x = x if zero_point is None else x - jnp.asarray(zero_point).astype(jnp.float32)
       return x if scale is None else x * jnp.asarray(scale).astype(jnp.float32)
-    return _fake.fake_quantize(x, scale, zero_point, dtype=dtype, axis=None)
+    return _fake.fake_quantize(x, *alike(scale, zero_point), dtype=dtype, axis=None)
 
   def integer(lhs, rhs, lhs_scale, lhs_zero_point, rhs_scale, rhs_zero_point):
     return _integer_product(

@@ -593,6 +593,8 @@ def explicit_mesh_packing_cases():
 def explicit_mesh_layer_cases():
   """Layers on an explicit mesh, where a split is part of an array's type.
 
+  * a of shape (batch, M, K) split along M: the int8 dot does not merge a's free
+    dims into rows there (an explicit mesh cannot type that reshape).
   * A zero point on a (every uint8 a) with a's rows split: under automatic
     sharding the row of ones appended to a's rows (rhs's sums over K) moves a
     between devices (integer_matmul_cases); here the row goes along a whole
@@ -647,6 +649,11 @@ def explicit_mesh_layer_cases():
        (P("c", None), P(), P("c")), P("c", None)),
       ("qlinear_matmul rows", qlinear_matmul, (a, a_zero_point, b),
        (P("c", None), P("c"), P()), P("c", None)),
+      # A batch of sequences split along the sequence: the free dims are not merged.
+      ("matmul_integer (b,M) M", jq.matmul_integer, (a.reshape(2, 8, depth), b),
+       (P(None, "c", None), P()), P(None, "c", None)),
+      ("qlinear_matmul (b,M) M", qlinear_matmul, (a.reshape(2, 8, depth), np.uint8(3), b),
+       (P(None, "c", None), P(), P()), P(None, "c", None)),
       ("dot_general_static_int8 rows", static, (x, weight), (P("c", None), None), P("c", None)),
       # A batch of sequences split: the row goes along the whole sequence dim.
       ("dot_general_static_int8(b,T) rows", static, (x.reshape(8, 2, depth), weight),

@@ -567,6 +567,27 @@ def test_fake_quantized_operands_straight_through(k):
   assert np.any(got[0] == 0) and np.any(got[0] != 0)  # saturated entries pass no gradient
 
 
+@pytest.mark.parametrize("float_side", ["lhs", "rhs"])
+def test_fake_quantized_operand_with_a_per_tensor_zero_point_and_scale_per_row(float_side):
+  """A float operand quantizes with each parameter per tensor or per row (column), as an
+  integer one takes them: the product is the integer operand's, bit for bit."""
+  rng = np.random.default_rng(8)
+  x = rng.standard_normal((4, 8)).astype(np.float32)
+  w = rng.standard_normal((8, 3)).astype(np.float32)
+  x_scale, x_zero_point = np.float32(0.05), np.full((4, 1), 120, np.uint8)
+  w_scale, w_zero_point = np.full((1, 3), 0.02, np.float32), np.int8(3)
+  x_q = jq.quantize_linear(x, x_scale, x_zero_point[0, 0])
+  w_q = jq.quantize_linear(w, w_scale, np.full((1, 3), 3, np.int8), axis=None)
+  options = dict(lhs_scale=x_scale, lhs_zero_point=x_zero_point, rhs_scale=w_scale,
+                 rhs_zero_point=w_zero_point)
+  want = jq.quantized_dot_general(x_q, w_q, _DIMS, **options)
+  operands = (x, w_q) if float_side == "lhs" else (x_q, w)
+  np.testing.assert_array_equal(jq.quantized_dot_general(*operands, _DIMS, **options), want)
+  gradient = jax.grad(lambda *operands: jnp.sum(jq.quantized_dot_general(
+      *operands, _DIMS, **options)), argnums=0 if float_side == "lhs" else 1)(*operands)
+  assert gradient.shape == (x if float_side == "lhs" else w).shape
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: jq.matmul_integer(np.ones((2, 3), np.float32), np.ones((3, 2), np.int8)),
      "a.dtype must be"),
@@ -597,6 +618,14 @@ def test_fake_quantized_operands_straight_through(k):
      "bits must be 2, 4 or 8"),
     (lambda: jq.qlinear_matmul(np.ones((2, 3), np.int8), 1.0, None, np.ones((3, 2), np.int8),
                                1.0, None, np.ones(2, np.float32)), "y_scale.shape must be"),
+    (lambda: jq.quantized_dot_general(np.ones((3, 3), np.int8), np.ones((3, 3), np.int8),
+                                      (((0,), (0,)), ((0,), (1,)))),
+     "each of lhs's dims once"),
+    (lambda: jq.quantized_dot_general(np.ones((2, 3, 4), np.int8), np.ones((3, 3, 4), np.int8),
+                                      (((2,), (2,)), ((0,), (0,)))),
+     "equal to lhs.shape .* on the batch dims"),
+    (lambda: jq.qlinear_matmul(np.ones((2, 3), np.int8), None, None, np.ones((3, 2), np.int8),
+                               1.0, None, 1.0), "a_scale must be a float array"),
     (lambda: jq.matmul_integer(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8),
                                out_sharding="replicated"),
      "matmul_integer: out_sharding must be None, a NamedSharding or a PartitionSpec"),

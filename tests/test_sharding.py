@@ -278,10 +278,12 @@ def test_explicit_mesh_layers_move_no_operand(cases):
   qlinear_matmul and quantized_dot_general (before: no out_sharding to give,
   so K split raised as jnp.matmul's does without one). An observer of a split
   batch (before: a ShardingTypeError at its flattening) gathers the batch once.
+  A (batch, M, K) activation split along M (before: a ShardingTypeError at the
+  merge of its free dims into rows) keeps its split.
   """
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" not in name}
-  assert len(explicit) == 13, explicit
+  assert len(explicit) == 15, explicit
   assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
   observers = [name for name in explicit if " observe " in name]
   assert {name: case["collectives"] for name, case in explicit.items()} == {
