@@ -531,6 +531,43 @@ def test_symmetric(dtype, implementation):
   assert np.asarray(y).astype(int)[0, 1] == -qmax  # -max|x| maps to -qmax, not qmin
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minmax", "absmax"])
+@pytest.mark.parametrize("shape, axis, block_size", [
+    ((64, 1024), 1, 0),       # down columns: XLA:CPU's float min/max (YNNPACK)
+    ((16, 32768 + 3), 1, 0),  # wide rows: integer keys
+    ((64, 80), 0, 4),         # blocks down columns: reduce-window
+    ((64, 1024), 1, 32),      # blocks along rows
+    ((64, 1024), 0, 0),       # along rows: integer keys
+    ((64, 1024), None, 0),
+], ids=["columns", "wide", "blocks-down", "blocks-along", "rows", "tensor"])
+def test_nan_anywhere_is_ignored(implementation, symmetric, shape, axis, block_size):
+  """A NaN right after a column's (block's) extreme, as its last element, and columns
+  (blocks) of NaN only. XLA:CPU's float max and min do not propagate a NaN: YNNPACK's
+  returned the extreme of the values after the last NaN, a reduce-window of NaNs its
+  initial value."""
+  rng = np.random.default_rng(11)
+  x = rng.uniform(-1, 1, shape).astype(np.float32)
+  x[0, :] = 5
+  x[2, :] = -4
+  x[1, :10] = np.nan
+  x[-1, 10:20] = np.nan
+  x[:, 20] = np.nan
+  x[4:8, 21] = np.nan
+  dtype = jnp.int8 if symmetric else jnp.uint8
+  options = dict(axis=axis, block_size=block_size, symmetric=symmetric)
+  got = jax.jit(functools.partial(jq.dynamic_quantize_linear, dtype=dtype,
+                                  implementation=implementation, **options))(x)
+  assert_outputs_equal(got, reference_dynamic(x, dtype, **options))
+  if implementation == "xla":
+    scale, zero_point = jax.jit(functools.partial(
+        jq.choose_qparams, dtype=dtype, axis=axis, block_size=block_size,
+        method="absmax" if symmetric else "minmax"))(x)
+    assert_bits_equal(scale, got[1])
+    if not symmetric:
+      assert_bits_equal(zero_point, got[2])
+
+
 def test_symmetric_statistics_down_columns():
   """One scale per index of the minor dim (a weight per output feature) reduces down
   columns, as the integer max of the magnitudes' bits: the reference's bits with NaN,
