@@ -408,8 +408,9 @@ def fake_quantize_dynamic(
   dynamic activation quantization. The gradient is straight through:
   ``s`` and ``z`` are treated as constants (no gradient flows through the
   min and max), and ``dy/dx`` is :func:`fake_quantize`'s ``gradient`` rule,
-  which is 1 for every finite element because the range covers all of x
-  (0 for NaN under ``"masked"``).
+  which is 1 for every finite element because the range covers all of x,
+  except an extreme that the zero point's rounding puts one step outside it
+  (clamped, so 0 under ``"masked"``, as is NaN).
 
   Args:
     x: float32, float16 or bfloat16 input.

@@ -582,3 +582,13 @@ def test_fake_quantize_dynamic_second_order_is_straight_through():
     return jnp.sum(_masked_ste(x, scale, zero_point.astype(jnp.float32), info) ** 2)
 
   _assert_second_order(loss, reference, x)
+
+
+def test_fake_quantize_dynamic_clamps_an_extreme_the_zero_point_pushes_out():
+  """The documented exception to dx = 1: lo / s is the tie -159.5, z rounds to 160, and the
+  maximum's 95.50001 rounds to 96, so it quantizes to 256 and is clamped to 255."""
+  x = np.array([-0.11696374, 0.46420285, -0.7752916], np.float32)
+  _, _, zero_point = jq.dynamic_quantize_linear(x, dtype=jnp.uint8)
+  assert int(zero_point) == 160
+  gradient = jax.grad(lambda x: jnp.sum(jq.fake_quantize_dynamic(x, dtype=jnp.uint8)))(x)
+  np.testing.assert_array_equal(gradient, [1, 0, 1])
