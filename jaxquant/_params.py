@@ -190,6 +190,9 @@ def stacked_dims(x: QuantizedArray, argument: str = "x") -> int:
       layouts.insert(0, shape[:-1] + (_packing.packed_size(shape[-1], bits),))
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
+  if not x.packed and len(values) == len(shape):
+    # Inside jax.shard_map unpacked values are a shard of shape, read as they are.
+    stacked = [0]
   stack = values[:stacked[0]] if stacked else None
   _validate.check(
       stack is not None and all(np.shape(y)[:len(stack)] == stack

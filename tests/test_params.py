@@ -386,3 +386,24 @@ def test_arrays_sliced_under_a_static_layout_are_refused():
   sliced = jax.tree.map(lambda x: x[0], stored)
   with pytest.raises(ValueError, match="stacked_dims"):
     sliced.dequantize()
+
+
+SHARD_MAPPED = textwrap.dedent("""
+    import dataclasses, jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxquant as jq
+    mesh = jax.make_mesh((4,), ("x",))
+    q = jq.quantize_params(jax.random.normal(jax.random.key(0), (16, 8)), jq.QuantizationRule())
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    split = dataclasses.replace(q, values=put(q.values, P("x")), scale=put(q.scale, P()))
+    specs = dataclasses.replace(q, values=P("x"), scale=P())
+    local = jax.jit(jax.shard_map(lambda q: q.dequantize(), mesh=mesh, in_specs=(specs,),
+                                  out_specs=P("x")))
+    assert np.array_equal(local(split), q.dequantize())
+    print("ok")
+""")
+
+
+def test_unpacked_values_dequantize_inside_shard_map():
+  """Inside shard_map the values are a shard of the static shape: not a stack, not sliced."""
+  assert run_on_cpu_devices(SHARD_MAPPED, 4, timeout=120).strip() == "ok"
