@@ -114,7 +114,8 @@ class QuantizedArray:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["value", "scale"],
-    meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor", "output_dtype"],
+    meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor", "output_dtype",
+                 "layer_ndim"],
 )
 @dataclasses.dataclass(frozen=True)
 class FakeQuantizedArray:
@@ -138,6 +139,8 @@ class FakeQuantizedArray:
     output_dtype: the float dtype :meth:`dequantize` returns, ``None`` for the
       weight's (static). The weight is fake-quantized in its own dtype first, as
       :meth:`QuantizedArray.dequantize` of the deployed weight computes.
+    layer_ndim: the rank of one layer's weight, below any leading stack dims
+      (``QuantizationRule.stacked_dims``); ``None``: the value's rank (static).
   """
 
   value: jax.Array
@@ -148,20 +151,24 @@ class FakeQuantizedArray:
   packed: bool
   grad_factor: float
   output_dtype: np.dtype | None = None
+  layer_ndim: int | None = None
 
   def dequantize(self) -> jax.Array:
-    """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype,
-    then cast to ``output_dtype``."""
-    weight = _fake.fake_quantize_learnable(
-        self.value, self.scale, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
-        grad_factor=self.grad_factor,
+    """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype
+    (each layer's, for a stack), then cast to ``output_dtype``."""
+    fake_quantize = functools.partial(
+        _fake.fake_quantize_learnable, dtype=self.dtype, axis=self.axis,
+        block_size=self.block_size, grad_factor=self.grad_factor,
     )
+    for _ in range(stacked_dims(self)):
+      fake_quantize = jax.vmap(fake_quantize)
+    weight = fake_quantize(self.value, self.scale)
     return weight if self.output_dtype is None else weight.astype(self.output_dtype)
 
   @property
   def shape(self) -> tuple[int, ...]:
-    """The weight's shape."""
-    return self.value.shape
+    """One layer's weight shape (the weight's, unless it is a stack)."""
+    return tuple(np.shape(self.value)[stacked_dims(self):])
 
   def __getitem__(self, key: Any) -> FakeQuantizedArray:
     return _whole(self, key)
@@ -173,7 +180,7 @@ class FakeQuantizedArray:
 _CONTAINERS = (QuantizedArray, FakeQuantizedArray)
 
 
-def stacked_dims(x: QuantizedArray, argument: str = "x") -> int:
+def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") -> int:
   """How many leading stack dims x's arrays have beyond its static layout.
 
   Raises:
@@ -181,6 +188,15 @@ def stacked_dims(x: QuantizedArray, argument: str = "x") -> int:
       off, as ``nnx.scan`` does to a stack quantized as one tensor), or the
       scale and zero point lack the values' stack dims.
   """
+  if isinstance(x, FakeQuantizedArray):
+    stack = np.ndim(x.value) - (np.ndim(x.value) if x.layer_ndim is None else x.layer_ndim)
+    _validate.check(
+        stack >= 0 and np.ndim(x.scale) >= stack
+        and np.shape(x.scale)[:stack] == np.shape(x.value)[:stack],
+        f"{argument}.value.shape", f"a layer of rank {x.layer_ndim} after any leading stack "
+        "dims that the scale shares (sliced by nnx.scan or nnx.vmap? quantize a stack with "
+        "QuantizationRule(stacked_dims=...))", np.shape(x.value))
+    return stack
   shape, values = tuple(x.shape), tuple(np.shape(x.values))
   layouts = [shape]
   if x.packed:
@@ -380,14 +396,17 @@ def _learnable(leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
   )
   return FakeQuantizedArray(
       leaf, scale, info.dtype, axis, rule.block_size, packed,
-      _fake.lsq_grad_factor(max(1, per_scale), dtype=info.dtype),
+      _fake.lsq_grad_factor(max(1, per_scale), dtype=info.dtype), layer_ndim=leaf.ndim,
   )
 
 
 def _freeze(leaf: FakeQuantizedArray) -> QuantizedArray:
-  return _from_scale(
-      leaf.value, leaf.scale, None, leaf.dtype, leaf.axis, leaf.block_size, leaf.packed
-  )
+  freeze = functools.partial(
+      _from_scale, zero_point=None, dtype=leaf.dtype, axis=leaf.axis,
+      block_size=leaf.block_size, packed=leaf.packed)
+  for _ in range(stacked_dims(leaf)):
+    freeze = jax.vmap(freeze)
+  return freeze(leaf.value, leaf.scale)
 
 
 @_validate.reports_as("quantize_params")
@@ -454,13 +473,10 @@ def quantize_params(
     rule = _rule_for(rules, path_name(path), leaf)
     if rule is None:
       return leaf
-    _validate.check(
-        not (learnable and rule.stacked_dims), "rule.stacked_dims",
-        "0 with learnable=True (a FakeQuantizedArray holds one layer)", rule.stacked_dims)
-    layer = functools.partial(_quantize, rule=rule)
+    layer = functools.partial(_learnable if learnable else _quantize, rule=rule)
     for _ in range(rule.stacked_dims):
       layer = jax.vmap(layer)
-    return (_learnable(leaf, rule) if learnable else layer(leaf))
+    return layer(leaf)
 
   return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_container)
 

@@ -599,3 +599,24 @@ def test_a_layer_replace_ops_does_not_reach_names_itself():
   assert jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8) == []
   with pytest.raises(TypeError, match="nnx.Embed"):
     served(jnp.arange(3))
+
+
+def test_stacked_layers_train_with_learnable_kernels_held_and_deploy():
+  """QAT of a scanned stack: each step fake-quantizes its layer's FakeQuantizedArray; the
+  loss and gradient are those of dequantizing the stack first, and the deployed model's
+  logits are training's, bit for bit."""
+  x = jnp.asarray(X_TEST[:5, :16])
+  model = _Stack(3, 16, rngs=nnx.Rngs(0))
+  jq.replace_ops(model, dot_general=jq.dot_general_fake_quant)
+  graphdef, state = nnx.split(model)
+  params = jq.quantize_params(
+      state, jq.QuantizationRule(pattern="kernel", stacked_dims=1), learnable=True)
+
+  def loss(params, held):
+    module = nnx.merge(graphdef, params if held else jq.dequantize_params(params))
+    return jnp.sum(module(x) ** 2)
+
+  held, dequantized = (jax.value_and_grad(loss)(params, held) for held in (True, False))
+  jax.tree.map(np.testing.assert_array_equal, held, dequantized)
+  np.testing.assert_array_equal(nnx.merge(graphdef, jq.quantize_params(params))(x),
+                                nnx.merge(graphdef, params)(x))

@@ -368,15 +368,42 @@ def test_a_stack_is_each_layer_quantized_alone(rule):
   np.testing.assert_array_equal(jax.vmap(jax.vmap(lambda x: x.dequantize()))(stored), dequantized)
 
 
-def test_stacked_dims_counts_a_layers_rank_and_refuses_learnable():
+def test_stacked_dims_counts_a_layers_rank():
   params = {"kernel": jnp.ones((4, 8, 8)), "bias": jnp.ones((4, 8))}
   stored = jq.quantize_params(params, jq.QuantizationRule(stacked_dims=1))
   assert isinstance(stored["kernel"], jq.QuantizedArray)
   assert stored["bias"] is params["bias"]
-  with pytest.raises(ValueError, match="stacked_dims"):
-    jq.quantize_params(params, jq.QuantizationRule(stacked_dims=1), learnable=True)
   with pytest.raises(ValueError, match="one layer's QuantizedArray"):
     jq.export_onnx(stored["kernel"])
+
+
+@pytest.mark.parametrize("rule", [
+    jq.QuantizationRule(stacked_dims=1),
+    jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=4, stacked_dims=1),
+], ids=["int8", "int4-blocked"])
+def test_a_learnable_stack_trains_and_deploys_each_layer_alone(rule):
+  """Each layer's FakeQuantizedArray is the one it would get alone: its fake-quantized
+  weight and its gradients; the stack deploys to each layer's QuantizedArray."""
+  stack = jax.random.normal(KEY, (3, 16, 8))
+  cotangent = jax.random.normal(jax.random.key(2), stack.shape)
+  learnable = jq.quantize_params(stack, rule, learnable=True)
+  assert learnable.shape == (16, 8)
+  one_layer = dataclasses.replace(rule, stacked_dims=0)
+  loss = lambda x: jnp.sum(x.dequantize() * cotangent)
+  stack_gradient = jax.grad(loss)(learnable)
+  deployed = jq.quantize_params(learnable)
+  for i, layer in enumerate(stack):
+    alone = jq.quantize_params(layer, one_layer, learnable=True)
+    np.testing.assert_array_equal(learnable.dequantize()[i], alone.dequantize())
+    gradient = jax.grad(lambda x: jnp.sum(x.dequantize() * cotangent[i]))(alone)
+    np.testing.assert_array_equal(stack_gradient.value[i], gradient.value)
+    np.testing.assert_array_equal(stack_gradient.scale[i], gradient.scale)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(lambda x, i=i: x[i], deployed), jq.quantize_params(alone))
+  np.testing.assert_array_equal(deployed.dequantize(), learnable.dequantize())
+  sliced = jax.tree.map(lambda x: x[0], jq.quantize_params(stack, one_layer, learnable=True))
+  with pytest.raises(ValueError, match="stacked_dims"):
+    sliced.dequantize()
 
 
 def test_arrays_sliced_under_a_static_layout_are_refused():
