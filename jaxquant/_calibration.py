@@ -104,7 +104,8 @@ def _has_values(low: jax.Array, high: jax.Array) -> jax.Array:
 
 @_bind.op(jit=True)
 def observe(state: Observer, x: ArrayLike) -> Observer:
-  """``state`` updated with the values of ``x`` (NaNs ignored); jittable, pure.
+  """``state`` updated with the values of ``x`` (NaNs ignored, infinities kept out of the
+  histogram); jittable, pure.
 
   Call it inside a jitted forward pass and return the new state, as any
   other pytree (:func:`calibrate` does this for every layer of a model).
@@ -149,7 +150,8 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
 
     new_low, new_high = average(state.low, low), average(state.high, high)
   magnitude = jnp.abs(x).reshape(-1)
-  finite = ~jnp.isnan(magnitude)
+  # The histogram bins finite values: one infinity would stretch its range for good.
+  finite = jnp.isfinite(magnitude)
   new_range = jnp.maximum(state.histogram_range, jnp.max(jnp.where(finite, magnitude, 0)))
   bins = state.histogram.shape[0]
   histogram = _rebinned(state.histogram, state.histogram_range, new_range)
@@ -260,7 +262,7 @@ def observer_qparams(
   else:
     magnitude = jnp.maximum(jnp.abs(low), jnp.abs(high))
   qmax = info.max + 0.5 if method == "qmax_plus_half" else info.max
-  scale = _recipes._magnitude_scale(jnp.nan_to_num(magnitude), qmax)
+  scale = _recipes._magnitude_scale(jnp.where(jnp.isnan(magnitude), 0, magnitude), qmax)
   return scale, None if info.as_codes else jnp.zeros((), info.dtype)
 
 
@@ -329,6 +331,10 @@ def calibrate(
     {'input_scale': Array(0.01, dtype=float32), 'input_zero_point': Array(-128, dtype=int8)}
   """
   found = _dot_general.layers(model)
+  # Every option is checked before a layer is touched (or a batch run): an error
+  # must leave the model as it was.
+  states = {path: init_observer(momentum=momentum, bins=bins) for path in found}
+  observer_qparams(init_observer(bins=bins), jnp.int8, method=method, percentile=percentile)
   originals = {path: getattr(layer, attribute) for path, (layer, attribute) in found.items()}
   current: dict[str, Observer] = {}
   for path, (layer, attribute) in found.items():
@@ -348,7 +354,6 @@ def calibrate(
       model(batch)
     return dict(current)
 
-  states = {path: init_observer(momentum=momentum, bins=bins) for path in found}
   try:
     for batch in batches:
       states = step(states, batch)

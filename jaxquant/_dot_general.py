@@ -130,14 +130,12 @@ def _static_lhs(lhs, input_scale, input_zero_point):
       input_scale.shape,
   )
   if input_zero_point is not None:
-    input_zero_point = jnp.asarray(input_zero_point)
-    if input_zero_point.weak_type:
-      input_zero_point = input_zero_point.astype(jnp.int8)
     # The activations quantize to int8, the zero point's dtype (a uint8 one would need
     # uint8 values: quantize_linear refused the pair with a ValueError).
+    input_zero_point = _dtypes.zero_point_array("input_zero_point", input_zero_point, np.int8)
     _validate.check(
-        input_zero_point.dtype == np.dtype(np.int8),
-        "input_zero_point.dtype", "int8", input_zero_point.dtype.name, error=TypeError,
+        input_zero_point.size == 1, "input_zero_point.shape", "one element (per tensor)",
+        input_zero_point.shape,
     )
   values = _linear.quantize_linear(
       lhs, input_scale.reshape(()),

@@ -193,6 +193,25 @@ def float_input(argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
   return x
 
 
+def zero_point_array(argument: str, value: Any, dtype: Any) -> jax.Array:
+  """A zero point that must be of ``dtype``: a Python int in its range, or an array of it.
+
+  Raises:
+    TypeError: for a float, or an array of another dtype.
+    ValueError: for a Python int outside ``dtype``'s range.
+  """
+  check_host_zero_point(argument, value, dtype)
+  zero_point = jnp.asarray(value)
+  name = np.dtype(dtype).name
+  if zero_point.weak_type:
+    _validate.check(jnp.issubdtype(zero_point.dtype, jnp.integer), argument,
+                    f"an integer ({name} zero point)", value, error=TypeError)
+    zero_point = zero_point.astype(dtype)
+  _validate.check(zero_point.dtype == np.dtype(dtype), f"{argument}.dtype", name,
+                  zero_point.dtype.name, error=TypeError)
+  return zero_point
+
+
 def scale_array(argument: str, scale: Any) -> jax.Array:
   """``scale`` as an array; a Python float is float32 (not float64 under x64)."""
   _validate.check(scale is not None, argument, "a float array (a scale is required)", None,

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from jax.typing import ArrayLike
 import numpy as np
 
+from jaxquant import _dtypes
 from jaxquant import _packing
 from jaxquant import _params
 from jaxquant import _validate
@@ -161,7 +162,15 @@ def export_onnx(
       input_scale is None or activations == "float", "activations",
       "'float' with input_scale (a static int8 graph)", repr(activations),
   )
+  _validate.check(
+      input_zero_point is None or input_scale is not None, "input_zero_point",
+      "None without input_scale (it belongs to a static int8 graph)", input_zero_point,
+  )
   n_in, n_out = weight.shape
+  for argument, value, size in (("input_scale", input_scale, 1),
+                                ("input_zero_point", input_zero_point, 1), ("bias", bias, n_out)):
+    _validate.check(value is None or np.size(value) == size, f"{argument}.shape",
+                    f"{size} element{'s' if size > 1 else ''}", np.shape(value))
   scale = np.asarray(weight.scale, np.float32)
   initializers = [_weight_tensor(onnx, "w_q", weight)]
   nodes = []
@@ -206,7 +215,8 @@ def export_onnx(
   else:
     _check_int8_weight(weight, scale, "static int8")
     input_scale = np.asarray(input_scale, np.float32).reshape(())
-    zero_point = np.asarray(0 if input_zero_point is None else input_zero_point, np.int8)
+    zero_point = np.asarray(_dtypes.zero_point_array(
+        "input_zero_point", 0 if input_zero_point is None else input_zero_point, np.int8))
     initializers += [
         onnx.numpy_helper.from_array(input_scale, "x_scale"),
         onnx.numpy_helper.from_array(zero_point.reshape(()), "x_zero_point"),

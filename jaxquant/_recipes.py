@@ -82,7 +82,12 @@ def _percentile(x, granularity, q):
       return jnp.zeros(granularity.param_shape, jnp.float32)
     # A float32 q: a Python float is float64 under x64, where q / 100 rounded
     # from float64 moved the interpolation (scales up to 8 ulps off x32's).
-    return jnp.nan_to_num(jnp.nanpercentile(magnitude, np.float32(q), axis=-1))
+    result = jnp.nanpercentile(magnitude, np.float32(q), axis=-1)
+    # NaN: a block of NaNs (no values: 0), or an interpolation that reached an
+    # infinity (inf - inf), whose percentile is infinite.
+    infinite = jnp.any(jnp.isinf(magnitude), axis=-1)
+    return jnp.where(jnp.isnan(result), jnp.where(infinite, np.float32(np.inf), np.float32(0)),
+                     result)
 
   return _per_block(percentile, x, granularity)
 

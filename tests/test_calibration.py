@@ -210,6 +210,39 @@ def test_calibrate_restores_the_model_when_a_batch_fails():
   assert model.blocks[0].dot_general is original
 
 
+@pytest.mark.parametrize("options", [dict(momentum=1.0), dict(bins=1), dict(method="median"),
+                                     dict(method="percentile", percentile=0.0)])
+def test_calibrate_checks_its_options_before_touching_the_model(options):
+  """Before: a bad momentum or bins left the layers recording (the model then raised a
+  KeyError), and a bad method was found only after every batch had run."""
+  model = _Model()
+  original = model.blocks[0].dot_general
+  taken = []
+
+  def batches():
+    taken.append(1)
+    yield jnp.ones((2, 4, 4, 1))
+
+  with pytest.raises(ValueError):
+    jq.calibrate(model, batches(), **options)
+  assert model.blocks[0].dot_general is original and not taken
+  model(jnp.ones((2, 4, 4, 1)))
+
+
+def test_infinities_reach_the_range_not_the_histogram():
+  """absmax and minmax give an infinite scale (as choose_qparams does); the histogram bins
+  finite values only, so one batch with an infinity does not stretch it for good."""
+  finite = _observed(BATCHES)
+  with_inf = _observed(BATCHES[:2] + [np.array([1.0, np.inf, -2.0], np.float32)] + BATCHES[2:])
+  for method in ("minmax", "absmax"):
+    assert np.isinf(jq.observer_qparams(with_inf, jnp.int8, method=method)[0])
+  np.testing.assert_array_equal(with_inf.histogram_range, finite.histogram_range)
+  x = np.array([1.0, np.inf, -2.0], np.float32)
+  for q in (50.0, 99.0, 100.0):
+    scale = jq.choose_qparams(x, jnp.int8, method="percentile", percentile=q)[0]
+    assert np.isinf(scale) == (q > 50), q  # 100 interpolated inf - inf: before, scale 1
+
+
 class _Einsum:
   """nnx.Einsum's call: ``einsum_op(equation, x, kernel)``, jnp.einsum by default."""
 

@@ -126,6 +126,14 @@ def test_static_int8_errors():
     jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=jnp.int16(1))
   with pytest.raises(TypeError, match="input_zero_point.dtype must be int8"):
     jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=jnp.uint8(1))
+  # Before: wrapped (200 as -56) or truncated (3.7 as 3) into int8 silently.
+  with pytest.raises(ValueError, match=r"input_zero_point must be in \[-128, 127\]"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=200)
+  with pytest.raises(TypeError, match="input_zero_point must be an integer"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0, input_zero_point=3.7)
+  with pytest.raises(ValueError, match="input_zero_point.shape"):
+    jq.dot_general_static_int8(X, W, DENSE, input_scale=1.0,
+                               input_zero_point=np.ones(2, np.int8))
 
 
 def test_fake_quant_value_and_straight_through_gradient():
@@ -520,6 +528,13 @@ def test_export_errors():
   with pytest.raises(ValueError, match="dynamic int8"):
     jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.int4)),
                    activations="dynamic_int8")
+  # Before: written wrapped into the graph (uint8 200 as -56), or dropped silently.
+  with pytest.raises(TypeError, match="input_zero_point.dtype must be int8"):
+    jq.export_onnx(int8, input_scale=1.0, input_zero_point=np.uint8(200))
+  with pytest.raises(ValueError, match="input_zero_point must be None without input_scale"):
+    jq.export_onnx(int8, input_zero_point=-5)
+  with pytest.raises(ValueError, match="bias.shape"):
+    jq.export_onnx(int8, np.ones(W.shape[1] + 1, np.float32))
 
 
 def test_export_without_onnx_names_the_extra(monkeypatch):
