@@ -166,6 +166,12 @@ def export_onnx(
       input_zero_point is None or input_scale is not None, "input_zero_point",
       "None without input_scale (it belongs to a static int8 graph)", input_zero_point,
   )
+  info = _dtypes.quantized_dtype("weight.dtype", weight.dtype)
+  # DequantizeLinear's blocks and QuantizeLinear's output_dtype are opset 21's; float4
+  # came in 23 and int2 in 25.
+  minimum = 25 if info.bits == 2 else 23 if info.bits == 4 and not info.is_integer else 21
+  opset = _validate.static_int("opset", opset)
+  _validate.check(opset >= minimum, "opset", f"at least {minimum} (for {info.name})", opset)
   n_in, n_out = weight.shape
   for argument, value, size in (("input_scale", input_scale, 1),
                                 ("input_zero_point", input_zero_point, 1), ("bias", bias, n_out)):

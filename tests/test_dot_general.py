@@ -535,6 +535,8 @@ def test_export_errors():
     jq.export_onnx(int8, input_zero_point=-5)
   with pytest.raises(ValueError, match="bias.shape"):
     jq.export_onnx(int8, np.ones(W.shape[1] + 1, np.float32))
+  with pytest.raises(ValueError, match="opset must be at least 21"):
+    jq.export_onnx(int8, activations="dynamic_int8", opset=13)
 
 
 def test_export_without_onnx_names_the_extra(monkeypatch):
