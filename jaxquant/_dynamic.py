@@ -351,7 +351,11 @@ def _max_magnitude(
     # scalar code, several times slower than a float max (benchmarks/reductions.py).
     # Past ~16K columns the float max's loop thrashes the cache; the exact one does not.
     exact = functools.partial(_column_magnitude_ignoring_nan, axes=axes)
-    plain = exact if _wide(view) else functools.partial(_column_magnitude, axes=axes)
+    plain = functools.partial(_column_magnitude, axes=axes)
+    if _wide(view):
+      # Unfolded as _ignoring_nan's plain reductions are: XLA would reduce a closed-over
+      # x while compiling (seconds for a few million elements).
+      plain = lambda view: exact(_numerics.unfolded(view))
     return (_ignoring_nan(plain, exact, exact, view, lambda view: view.astype(jnp.float32)),)
   # max|x| = max(-min x, max x, 0), the same float. XLA:CPU reduces the min
   # and max keys in vectorized code across threads; a float max it hands to

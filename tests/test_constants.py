@@ -202,6 +202,9 @@ _STATISTICS = {
         w, dtype=jnp.int8, axis=0, symmetric=True),
     "dynamic int8 dot": lambda w: jq.dot_general_dynamic_int8(
         jnp.ones((4, 64)), w, (((1,), (0,)), ((), ()))),
+    # Rows of 32K+ columns take another reduction (integer keys): before, folded.
+    "dynamic symmetric per column, wide rows": lambda w: jq.dynamic_quantize_linear(
+        w, dtype=jnp.int8, axis=1, symmetric=True),
 }
 
 
@@ -211,7 +214,8 @@ def test_statistics_of_a_closed_over_weight_are_not_folded(statistic):
   # a second per million elements (a sort: minutes), for statistics that take
   # a millisecond to compute: jaxquant keeps them in the program. Small here,
   # so that folding would be quick: the compiled program must still reduce.
-  w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 128)), jnp.float32)
+  shape = (2, 32768 + 3) if "wide rows" in statistic else (64, 128)
+  w = jnp.asarray(np.random.default_rng(4).standard_normal(shape), jnp.float32)
   compiled = jax.jit(lambda: _STATISTICS[statistic](w)).lower().compile().as_text()
   assert re.search(r"= \S+ (reduce|reduce-window|sort)\(", compiled), compiled
   _assert_all_equal([jax.jit(lambda: _STATISTICS[statistic](w))()],
