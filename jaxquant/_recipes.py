@@ -82,12 +82,7 @@ def _percentile(x, granularity, q):
       return jnp.zeros(granularity.param_shape, jnp.float32)
     # A float32 q: a Python float is float64 under x64, where q / 100 rounded
     # from float64 moved the interpolation (scales up to 8 ulps off x32's).
-    result = jnp.nanpercentile(magnitude, np.float32(q), axis=-1)
-    # NaN: a block of NaNs (no values: 0), or an interpolation that reached an
-    # infinity (inf - inf), whose percentile is infinite.
-    infinite = jnp.any(jnp.isinf(magnitude), axis=-1)
-    return jnp.where(jnp.isnan(result), jnp.where(infinite, np.float32(np.inf), np.float32(0)),
-                     result)
+    return jnp.nan_to_num(jnp.nanpercentile(magnitude, np.float32(q), axis=-1))
 
   return _per_block(percentile, x, granularity)
 
@@ -158,7 +153,8 @@ def choose_qparams(
     zero point :math:`\mathrm{round}(q_{min} - lo / s)`
     (integers; :func:`dynamic_quantize_linear`'s parameters).
   * ``"percentile"``: ``"absmax"`` with :math:`m` the ``percentile`` of
-    :math:`|x|` in each block.
+    :math:`|x|` in each block (NaNs ignored; a percentile interpolated towards an
+    infinity is NaN, ``inf - inf``, and read as 0: scale 1).
   * ``"mse"``: ``"absmax"`` with, per block, the clip ratio among
     ``1, 0.98, ..., 0.2`` (times ``clip_ratio``) that minimises the squared
     error of :func:`fake_quantize` over the block.
