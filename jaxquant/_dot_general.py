@@ -939,14 +939,15 @@ def _ellipsis_labelled(labels: Sequence[str], output: str, operands: Sequence[An
   aligned from the right as NumPy broadcasts them."""
   if "..." not in spec:
     return list(labels), output
-  spans = [len(_shape(x)) - len(term.replace("...", "")) for term, x in zip(labels, operands)
-           if "..." in term]
+  # How many dims each operand's ellipsis stands for.
+  spans = {i: len(_shape(x)) - len(term.replace("...", ""))
+           for i, (term, x) in enumerate(zip(labels, operands)) if "..." in term}
   free = [c for c in string.ascii_letters if c not in spec]
-  _validate.check(min(spans) >= 0 and max(spans) <= len(free), "subscripts",
+  _validate.check(min(spans.values()) >= 0 and max(spans.values()) <= len(free), "subscripts",
                   "an ellipsis standing for dims the operand has", repr(spec))
-  fresh = "".join(free[:max(spans)])
-  labels = [term.replace("...", fresh[len(fresh) - (len(_shape(x)) - len(term) + 3):])
-            if "..." in term else term for term, x in zip(labels, operands)]
+  fresh = "".join(free[:max(spans.values())])
+  labels = [term.replace("...", fresh[len(fresh) - spans[i]:]) if i in spans else term
+            for i, term in enumerate(labels)]
   return labels, output.replace("...", fresh)
 
 

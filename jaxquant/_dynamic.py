@@ -227,14 +227,13 @@ def _min_max(
     # Behind a barrier, not unfolded: XLA:CPU hands a plain float min or max to
     # YNNPACK only without the XOR in its fusion (see _column_magnitude).
     view = lax.optimization_barrier(view)
-    nan = _has_nan(view, axes)
-    return tuple(jnp.where(nan, np.float32(np.nan), extreme) for extreme in (
-        jnp.min(view, axes, initial=inf), jnp.max(view, axes, initial=-inf)))
+    return _nan_where_lost(
+        view, axes, (jnp.min(view, axes, initial=inf), jnp.max(view, axes, initial=-inf)))
 
   def plain(view):
     if windows is not None:
       return _nan_where_lost(
-          view, (low_high(view, inf, lax.min), low_high(view, -inf, lax.max)))
+          view, None, (low_high(view, inf, lax.min), low_high(view, -inf, lax.max)))
     # Down columns (the minor dim kept) XLA:CPU reduces the keys' variadic pair in
     # scalar code: a float min and max, which it hands to YNNPACK, were 3-13x
     # faster, and past _WIDE_COLUMNS two plain reductions of the keys (the float
@@ -287,25 +286,22 @@ def _column_magnitude(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
   """
   view = lax.optimization_barrier(view)
   magnitude = jnp.max(jnp.abs(view), axes, initial=np.float32(0))
-  return jnp.where((magnitude < np.finfo(np.float32).tiny) | _has_nan(view, axes),
-                   np.float32(np.nan), magnitude)
+  magnitude = jnp.where(magnitude < np.finfo(np.float32).tiny, np.float32(np.nan), magnitude)
+  return _nan_where_lost(view, axes, (magnitude,))[0]
 
 
-def _has_nan(view: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-  """Whether ``view`` may hold a NaN along ``axes``: its float sum there is NaN (also
-  for +inf beside -inf, which costs only a redo).
+def _nan_where_lost(view: jax.Array, axes: tuple[int, ...] | None,
+                    extremes: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Float ``extremes`` of ``view`` over ``axes`` (``None``: windows, tested over all of
+  view), NaN wherever view may hold a NaN, which they may have lost: then
+  :func:`_ignoring_nan` redoes them.
 
   XLA:CPU's float max and min (YNNPACK's, and its own reduce-window) do not
   propagate a NaN: a column's result is the extreme of the values after its
-  last NaN, an all-NaN window's the initial value. A sum cannot lose one.
+  last NaN, an all-NaN window's the initial value. A float sum cannot lose one
+  (it is NaN for +inf beside -inf too, which costs only a redo).
   """
-  return jnp.isnan(jnp.sum(view, axes))
-
-
-def _nan_where_lost(view: jax.Array, extremes: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """Windowed float ``extremes`` of ``view``, all NaN where ``view`` has a NaN, which
-  they may have lost (:func:`_has_nan`): :func:`_ignoring_nan` then redoes them."""
-  nan = _has_nan(view, tuple(range(view.ndim)))
+  nan = jnp.isnan(jnp.sum(view, tuple(range(view.ndim)) if axes is None else axes))
   return tuple(jnp.where(nan, np.float32(np.nan), extreme) for extreme in extremes)
 
 
@@ -343,7 +339,7 @@ def _max_magnitude(
   if keepdims:
     return (nan_aware(magnitude(view)),)
   if windows is not None:
-    plain = lambda magnitude: _nan_where_lost(magnitude, (maximum(magnitude),))[0]
+    plain = lambda magnitude: _nan_where_lost(magnitude, None, (maximum(magnitude),))[0]
     return (_ignoring_nan(plain, nan_aware, nan_aware, view, magnitude),)
   if _down_columns(view, axes):
     # The minor dim kept (a (K, N) weight per output feature, a kernel per output

@@ -445,18 +445,22 @@ def packed_bytes(
       packed.dtype == jnp.uint8, "packed.dtype", "uint8", packed.dtype.name,
       error=TypeError,
   )
-  bits = _dtypes.quantized_dtype("dtype", dtype).bits
-  size = packed_size(math.prod(shape), bits)
-  expected = f"({size},)"
-  rows = (size,)
-  if len(shape) > 1:
-    rows = shape[:-1] + (packed_size(shape[-1], bits),)
-    expected = f"({size},) (flat) or {rows} (rows)"
+  layouts = packed_layouts(shape, dtype)
+  expected = f"{layouts[0]} (flat) or {layouts[1]} (rows)" if len(layouts) > 1 else f"{layouts[0]}"
   _validate.check(
-      packed.shape in ((size,), rows), "packed.shape",
+      packed.shape in layouts, "packed.shape",
       f"{expected} to unpack into shape {shape}", packed.shape,
   )
   return packed
+
+
+def packed_layouts(shape: tuple[int, ...], dtype: DTypeLike) -> tuple[tuple[int, ...], ...]:
+  """The shapes :func:`pack` gives ``shape``'s bytes: flat, and (a matrix or more) in rows."""
+  bits = _dtypes.quantized_dtype("dtype", dtype).bits
+  flat = (packed_size(math.prod(shape), bits),)
+  if len(shape) > 1:
+    return (flat, tuple(shape[:-1]) + (packed_size(shape[-1], bits),))
+  return (flat,)
 
 
 def unpacked(packed: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:

@@ -43,6 +43,13 @@ def _not_an_array(stored: Any) -> None:
       "(docs/models.md, 'Serving').")
 
 
+def _per_layer(function: Any, stack: int) -> Any:
+  """``function`` of one layer, mapped over ``stack`` leading dims of its arguments."""
+  for _ in range(stack):
+    function = jax.vmap(function)
+  return function
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["values", "scale", "zero_point"],
@@ -95,9 +102,7 @@ class QuantizedArray:
         output_dtype=self.output_dtype, packed_shape=self.shape if self.packed else None,
         packed_dtype=self.dtype if sub_byte else None,
     )
-    for _ in range(stacked_dims(self)):
-      dequantize = jax.vmap(dequantize)
-    return dequantize(self.values, self.scale, self.zero_point)
+    return _per_layer(dequantize, stacked_dims(self))(self.values, self.scale, self.zero_point)
 
   @property
   def nbytes(self) -> int:
@@ -160,9 +165,7 @@ class FakeQuantizedArray:
         _fake.fake_quantize_learnable, dtype=self.dtype, axis=self.axis,
         block_size=self.block_size, grad_factor=self.grad_factor,
     )
-    for _ in range(stacked_dims(self)):
-      fake_quantize = jax.vmap(fake_quantize)
-    weight = fake_quantize(self.value, self.scale)
+    weight = _per_layer(fake_quantize, stacked_dims(self))(self.value, self.scale)
     return weight if self.output_dtype is None else weight.astype(self.output_dtype)
 
   @property
@@ -198,18 +201,14 @@ def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") ->
         "QuantizationRule(stacked_dims=...))", np.shape(x.value))
     return stack
   shape, values = tuple(x.shape), tuple(np.shape(x.values))
-  layouts = [shape]
-  if x.packed:
-    bits = _dtypes.quantized_dtype("dtype", x.dtype).bits
-    layouts = [(_packing.packed_size(math.prod(shape), bits),)]
-    if len(shape) > 1:
-      layouts.insert(0, shape[:-1] + (_packing.packed_size(shape[-1], bits),))
+  layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (shape,)
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
   if not x.packed and len(values) == len(shape):
     # Inside jax.shard_map unpacked values are a shard of shape, read as they are.
     stacked = [0]
-  stack = values[:stacked[0]] if stacked else None
+  # The fewest stack dims where two layouts fit (a one-row matrix, flat or in rows).
+  stack = values[:min(stacked)] if stacked else None
   _validate.check(
       stack is not None and all(np.shape(y)[:len(stack)] == stack
                                 for y in (x.scale, x.zero_point) if y is not None),
@@ -404,9 +403,7 @@ def _freeze(leaf: FakeQuantizedArray) -> QuantizedArray:
   freeze = functools.partial(
       _from_scale, zero_point=None, dtype=leaf.dtype, axis=leaf.axis,
       block_size=leaf.block_size, packed=leaf.packed)
-  for _ in range(stacked_dims(leaf)):
-    freeze = jax.vmap(freeze)
-  return freeze(leaf.value, leaf.scale)
+  return _per_layer(freeze, stacked_dims(leaf))(leaf.value, leaf.scale)
 
 
 @_validate.reports_as("quantize_params")
@@ -474,9 +471,7 @@ def quantize_params(
     if rule is None:
       return leaf
     layer = functools.partial(_learnable if learnable else _quantize, rule=rule)
-    for _ in range(rule.stacked_dims):
-      layer = jax.vmap(layer)
-    return layer(leaf)
+    return _per_layer(layer, rule.stacked_dims)(leaf)
 
   return jax.tree_util.tree_map_with_path(quantize, params, is_leaf=_is_container)
 
