@@ -171,7 +171,8 @@ def op(
       arguments being the keys of ``normalizers``.
     check: ``check(arguments)`` sees every argument by name, after
       normalisation and before the jit boundary (host values, such as Python
-      int zero points, are still themselves there).
+      int zero points, are still themselves there), and may replace a host
+      value with what the jit boundary must see (``_dtypes.host_zero_point``).
     **normalizers: per static option, ``normalize(argument, value)``
       returning the canonical value or raising ``_validate``'s error naming
       the argument.

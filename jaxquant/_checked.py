@@ -122,7 +122,7 @@ def _op_dtype(arguments: dict[str, Any]) -> _dtypes.QuantizedDType | None:
   """The quantized dtype an op works in, where one of its options or x names it."""
   x = arguments.get("x")
   for candidate in (arguments.get("packed_dtype"), arguments.get("dtype"),
-                    arguments.get("output_dtype"), _dtypes.host_codes(x)[1]):
+                    arguments.get("output_dtype"), _dtypes.host_codes("x", x)[1]):
     info = _quantized(candidate)
     if info is not None:
       return info
@@ -150,7 +150,7 @@ def check(function: str, arguments: dict[str, Any]) -> None:
       _require(function, argument, "finite and > 0", scale,
                ~(jnp.isfinite(wide) & (wide > 0)))
     elif argument == "zero_point" or argument.endswith("_zero_point"):
-      if _dtypes.host_codes(value)[1] is not None:
+      if _dtypes.host_codes(argument, value)[1] is not None:
         continue  # NumPy float6 values: every code is a finite number.
       zero_point = jnp.asarray(value)
       if jnp.issubdtype(zero_point.dtype, jnp.floating):

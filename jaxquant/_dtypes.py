@@ -136,25 +136,37 @@ def quantized_dtype(
   return info
 
 
-def host_codes(value: Any) -> tuple[Any, np.dtype | None]:
+def host_codes(argument: str, value: Any) -> tuple[Any, np.dtype | None]:
   """A NumPy array of a dtype XLA cannot hold, as ``(uint8 codes, dtype)``.
 
   Anything else comes back as ``(value, None)``. The public ops call this
   before their jit boundary, where a float6 array would otherwise fail to
-  become a JAX array; the view costs no copy.
+  become a JAX array; the view costs no copy. A JAX array (a tracer of the
+  caller's ``jit``) of such a dtype is a ``TypeError`` naming ``argument``:
+  XLA cannot compile float6, so it must travel as its uint8 codes.
   """
   if isinstance(value, (np.ndarray, np.generic)):
     info = _QUANTIZED_DTYPES.get(value.dtype)
     if info is not None and info.as_codes:
       return np.asarray(value).view(np.uint8), info.dtype
+    return value, None
+  info = _QUANTIZED_DTYPES.get(getattr(value, "dtype", None))
+  _validate.check(
+      info is None or not info.as_codes, argument,
+      "a NumPy float6 array or uint8 codes (XLA has no float6 type, so float6 values cross "
+      "a jit boundary as codes: docs/numerics.md, \"float6\")",
+      f"a JAX array of {info.name if info is not None else ''}", error=TypeError,
+  )
   return value, None
 
 
-def check_host_zero_point(argument: str, value: Any, dtype: Any) -> None:
-  """Checks a zero point given on the host, before the jit boundary rewrites it.
+def host_zero_point(argument: str, value: Any, dtype: Any) -> Any:
+  """Checks a zero point given on the host, and returns it as the jit boundary must see it.
 
-  There a NumPy int64 would silently become int32 (and pick an int32 output)
-  and a Python int would wrap around into ``dtype`` (uint8 300 -> 44).
+  There a NumPy int64 would silently become int32 (and pick an int32 output),
+  a Python int would wrap around into ``dtype`` (uint8 300 -> 44), and a
+  Python int beyond int32 (a uint32 zero point) would overflow: such an int
+  comes back as a NumPy scalar of ``dtype``. Anything else comes back as is.
 
   Args:
     argument: the argument's name, for the message.
@@ -178,6 +190,9 @@ def check_host_zero_point(argument: str, value: Any, dtype: Any) -> None:
           info.min <= value <= info.max, argument,
           f"in [{info.min}, {info.max}] for {info.name}", value,
       )
+      if value > np.iinfo(np.int32).max:
+        return info.dtype.type(value)
+  return value
 
 
 def float_input(argument: str, x: jax.Array, *, also: str = "") -> jax.Array:
@@ -200,8 +215,7 @@ def zero_point_array(argument: str, value: Any, dtype: Any) -> jax.Array:
     TypeError: for a float, or an array of another dtype.
     ValueError: for a Python int outside ``dtype``'s range.
   """
-  check_host_zero_point(argument, value, dtype)
-  zero_point = jnp.asarray(value)
+  zero_point = jnp.asarray(host_zero_point(argument, value, dtype))
   name = np.dtype(dtype).name
   if zero_point.weak_type:
     _validate.check(jnp.issubdtype(zero_point.dtype, jnp.integer), argument,
@@ -219,9 +233,11 @@ def scale_array(argument: str, scale: Any) -> jax.Array:
   scale = jnp.asarray(scale)
   if scale.weak_type and jnp.issubdtype(scale.dtype, jnp.floating):
     scale = scale.astype(jnp.float32)
+  # A Python int is a weak int32, not a float: refused, not converted silently.
+  python_int = " (a Python int: write a float, 2.0 for 2)" if scale.weak_type else ""
   _validate.check(
       scale.dtype in SCALE_DTYPES, f"{argument}.dtype",
-      f"one of {_names(SCALE_DTYPES)}", scale.dtype.name, error=TypeError,
+      f"one of {_names(SCALE_DTYPES)}", scale.dtype.name + python_int, error=TypeError,
   )
   return scale
 

@@ -44,7 +44,7 @@ def _check_zero_points(arguments: dict) -> None:
   a_dtype = getattr(arguments["a"], "dtype", None)
   for name, dtype in [("a", a_dtype), ("b", getattr(arguments["b"], "dtype", None)),
                       ("out", arguments["output_dtype"] or a_dtype)]:
-    _dtypes.check_host_zero_point(
+    arguments[f"{name}_zero_point"] = _dtypes.host_zero_point(
         f"{name}_zero_point", arguments[f"{name}_zero_point"], dtype
     )
 

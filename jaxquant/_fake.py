@@ -62,7 +62,10 @@ def _rounded_zero_point(zero_point, info):
   """A learned float zero point as the integer the forward pass uses (PyTorch's rule)."""
   if zero_point is None:
     return None
-  return jnp.clip(jnp.round(zero_point), info.min, info.max)
+  # In at least float32: float16 and bfloat16 round int16's bounds (32767 to
+  # 32768) and uint16's (65535 to inf in float16), so the clip would miss.
+  wide = zero_point.astype(jnp.promote_types(zero_point.dtype, jnp.float32))
+  return jnp.clip(jnp.round(wide), info.min, info.max)
 
 
 def _forward(x, scale, zero_point, quantizer):
@@ -179,7 +182,7 @@ def _apply(x, parameters: _parameters.Parameters, quantizer: _Quantizer) -> jax.
 
 
 def _check_zero_point(arguments: dict) -> None:
-  _dtypes.check_host_zero_point(
+  arguments["zero_point"] = _dtypes.host_zero_point(
       "zero_point", arguments["zero_point"], arguments["dtype"]
   )
 
@@ -262,7 +265,7 @@ def fake_quantize(
     >>> jq.fake_quantize(jnp.array([0.3, -1.1, 3.9, 4.0]), 0.5, dtype=jnp.float6_e2m3fn)
     Array([ 0.3125, -1.125 ,  3.75  ,  3.75  ], dtype=float32)
   """
-  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
+  zero_point, zero_point_dtype = _dtypes.host_codes("zero_point", zero_point)
   return _fake_quantize_op(
       x, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size,
       narrow_range=narrow_range, gradient=gradient, zero_point_dtype=zero_point_dtype,
@@ -473,7 +476,7 @@ def lsq_grad_factor(elements_per_scale: int, *, dtype: DTypeLike = jnp.int8) -> 
   Raises:
     TypeError: if ``elements_per_scale`` is not an int, or ``dtype`` not an
       integer quantized dtype.
-    ValueError: if ``elements_per_scale`` is not positive.
+    ValueError: if ``elements_per_scale`` is not positive, or not below 2**63.
 
   Example:
     >>> import jax.numpy as jnp
@@ -483,5 +486,7 @@ def lsq_grad_factor(elements_per_scale: int, *, dtype: DTypeLike = jnp.int8) -> 
   """
   elements = _validate.static_int("elements_per_scale", elements_per_scale)
   _validate.check(elements > 0, "elements_per_scale", "a positive int", elements)
+  # No array has more elements; beyond a float, math.sqrt would overflow.
+  _validate.check(elements < 2**63, "elements_per_scale", "below 2**63", elements)
   info = _dtypes.quantized_dtype("dtype", dtype, integer=True)
   return 1.0 / math.sqrt(elements * info.max)

@@ -26,7 +26,7 @@ def _check_dequantize(arguments: dict) -> None:
   if dtype is None:
     dtype = jnp.int4 if arguments["packed_shape"] is not None else getattr(
         arguments["x"], "dtype", None)
-  _dtypes.check_host_zero_point("zero_point", arguments["zero_point"], dtype)
+  arguments["zero_point"] = _dtypes.host_zero_point("zero_point", arguments["zero_point"], dtype)
 
 
 @_bind.op(
@@ -122,7 +122,7 @@ def dequantize_linear(
     >>> jq.dequantize_linear(codes, 2.0, packed_dtype=jnp.float6_e2m3fn)
     Array([  3., -15.], dtype=float32)
   """
-  x, x_dtype = _dtypes.host_codes(x)
+  x, x_dtype = _dtypes.host_codes("x", x)
   if x_dtype is not None:
     _validate.check(
         packed_shape is None, "packed_shape",
@@ -134,7 +134,7 @@ def dequantize_linear(
         f"None or x's dtype {x_dtype.name}", _dtypes._name(packed_dtype), error=TypeError,
     )
     packed_dtype = x_dtype
-  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
+  zero_point, zero_point_dtype = _dtypes.host_codes("zero_point", zero_point)
   return _dequantize_linear(
       x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
       implementation=implementation, packed_shape=packed_shape, packed_dtype=packed_dtype,
@@ -272,7 +272,7 @@ def _packed_quantize(formula, x, parameters: _parameters.Parameters):
 
 
 def _check_quantize(arguments: dict) -> None:
-  _dtypes.check_host_zero_point(
+  arguments["zero_point"] = _dtypes.host_zero_point(
       "zero_point", arguments["zero_point"], arguments["output_dtype"] or jnp.uint8
   )
 
@@ -371,7 +371,7 @@ def quantize_linear(
     >>> codes  # 0.625, -2.25 and 7.5 (saturated), as float6_e2m3fn codes
     Array([ 5, 49, 31], dtype=uint8)
   """
-  zero_point, zero_point_dtype = _dtypes.host_codes(zero_point)
+  zero_point, zero_point_dtype = _dtypes.host_codes("zero_point", zero_point)
   return _quantize_linear(
       x, scale, zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype,
       saturate=saturate, precision=precision, implementation=implementation,

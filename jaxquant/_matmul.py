@@ -407,8 +407,8 @@ def _check_dot_zero_points(arguments: dict) -> None:
     dtype = getattr(arguments[name], "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
       dtype = _INT8  # a float operand is quantized to int8 unless its zero point says otherwise
-    _dtypes.check_host_zero_point(f"{name}_zero_point",
-                                  arguments[f"{name}_zero_point"], dtype)
+    arguments[f"{name}_zero_point"] = _dtypes.host_zero_point(
+        f"{name}_zero_point", arguments[f"{name}_zero_point"], dtype)
 
 
 @_bind.op(preferred_element_type=_bind.dtype, out_sharding=_bind.sharding,
@@ -705,7 +705,7 @@ def _onnx_zero_points(a, b, a_zero_point, b_zero_point):
 
 def _check_onnx_zero_points(arguments: dict) -> None:
   for name in ("a", "b"):
-    _dtypes.check_host_zero_point(
+    arguments[f"{name}_zero_point"] = _dtypes.host_zero_point(
         f"{name}_zero_point", arguments[f"{name}_zero_point"],
         getattr(arguments[name], "dtype", None),
     )
@@ -772,7 +772,7 @@ def _matmul_integer(a, b, a_zero_point, b_zero_point):
 
 def _check_qlinear_zero_points(arguments: dict) -> None:
   _check_onnx_zero_points(arguments)
-  _dtypes.check_host_zero_point(
+  arguments["y_zero_point"] = _dtypes.host_zero_point(
       "y_zero_point", arguments["y_zero_point"],
       arguments["output_dtype"] or getattr(arguments["a"], "dtype", None),
   )

@@ -30,6 +30,11 @@ def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
   info, wide = jnp.finfo(dtype), jnp.finfo(x.dtype)
   if info.nmant >= wide.nmant:
     return x
+  if x.dtype == np.float64 and dtype != np.float32:
+    # XLA converts float64 to a narrower float through float32, rounding twice;
+    # float32 rounded to odd keeps the second rounding the only one (as in
+    # int32_to_float).
+    return round_to(_float32_to_odd(x), dtype).astype(x.dtype)
   if info.nexp == wide.nexp:
     # bfloat16 from float32: XLA may drop a cast down and back up (it allows
     # excess precision by default) but keeps reduce_precision, which agrees
@@ -37,6 +42,22 @@ def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   # reduce_precision flushes the narrower type's subnormals; the cast keeps them.
   return x.astype(dtype).astype(x.dtype)
+
+
+def _float32_to_odd(x: jax.Array) -> jax.Array:
+  """float64 ``x`` rounded to float32 *to odd*: truncated, the last bit set if inexact.
+
+  The nearest float32 is one of the two that bracket x; where it is even and
+  not x, the odd one is its neighbour on x's side.
+  """
+  nearest = x.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(nearest, jnp.uint32)
+  inexact = (nearest.astype(x.dtype) != x) & ~jnp.isnan(x) & (bits & 1 == 0)
+  # Magnitudes order like their bits: one step of the bits is one ulp of |x|.
+  step = jnp.where(jnp.abs(nearest.astype(x.dtype)) > jnp.abs(x), -1, 1).astype(jnp.int32)
+  odd = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(bits, jnp.int32) + step, jnp.float32)
+  return jnp.where(inexact, odd, nearest)
 
 
 def division_precision(scale_dtype: Any) -> np.dtype:

@@ -91,7 +91,8 @@ ERROR_CASES = [
           rf"scale\.dtype must be {SCALE_DTYPES}, got int32\."),
     # A Python int scale is a weak int32, not a float: no silent conversion.
     _case("dq-scale-python-int", dq, (_int8(4), 2), TypeError,
-          rf"scale\.dtype must be {SCALE_DTYPES}, got int32\."),
+          rf"scale\.dtype must be {SCALE_DTYPES}, got int32 \(a Python int: write a float, "
+          r"2\.0 for 2\)\."),
     _case("dq-scale-bool", dq, (_int8(4), jnp.bool_(True)), TypeError,
           rf"scale\.dtype must be {SCALE_DTYPES}, got bool\."),
     _case("dq-output-int8", dq, (_int8(4), 1.0), TypeError,
@@ -265,9 +266,9 @@ ERROR_CASES = [
           (_int8(3), 1.0, None, jnp.zeros(3, jnp.float8_e4m3fn), 1.0, None, 1.0),
           TypeError, r"b\.dtype must be an integer quantized dtype, got float8_e4m3fn\."),
     _case("add-a-scale-int32", qa, (_int8(3), 1, None, _int8(3), 1.0, None, 1.0),
-          TypeError, rf"a_scale\.dtype must be {SCALE_DTYPES}, got int32\."),
+          TypeError, rf"a_scale\.dtype must be {SCALE_DTYPES}, got int32 \(a Python int.*\."),
     _case("add-out-scale-int32", qa, (_int8(3), 1.0, None, _int8(3), 1.0, None, 2),
-          TypeError, rf"out_scale\.dtype must be {SCALE_DTYPES}, got int32\."),
+          TypeError, rf"out_scale\.dtype must be {SCALE_DTYPES}, got int32 \(a Python int.*\."),
     _case("add-a-scale-per-axis", qa,
           (_int8(3), _float32(3), None, _int8(3), 1.0, None, 1.0), ValueError,
           r"a_scale\.shape must be \(\) or one element \(per-tensor\), got \(3,\)\."),

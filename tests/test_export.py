@@ -70,6 +70,11 @@ OPS = {
     "pack rows then unpack": lambda x, i: jq.unpack(
         jq.pack(jq.quantize_linear(x, 0.05, output_dtype=jnp.int4), layout="rows"), x.shape,
         jnp.int4),
+    # One bit stream of 7 * b int4 (b int2) codes: its padding to whole bytes is symbolic.
+    "quantize packed, an odd count": lambda x, i: jq.quantize_linear(
+        x[:, :7], 0.05, output_dtype=jnp.int4, packed=True, implementation=i),
+    "pack int2 of a symbolic count": lambda x, i: jq.pack(
+        jq.quantize_linear(x[:, 0], 0.05, output_dtype=jnp.int2)),
     "dequantize packed int4": lambda x, i: jq.dequantize_linear(
         jq.pack(jq.quantize_linear(x, 0.05, output_dtype=jnp.int4)), _blocked_scale(x),
         axis=1, block_size=32, packed_shape=x.shape, implementation=i),

@@ -293,9 +293,30 @@ def test_learnable_nan_passes_no_gradient():
   assert float(grads[2]) == -1
 
 
+@pytest.mark.parametrize("zero_point_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("dtype, zero_point, clipped", [
+    (jnp.int16, 40000.0, 32767), (jnp.int16, -40000.0, -32768), (jnp.uint16, 70000.0, 65535),
+])
+def test_learnable_half_precision_zero_point_is_clipped_to_the_range(
+    zero_point_dtype, dtype, zero_point, clipped):
+  # Clipped in the zero point's own dtype, int16's bound 32767 was 32768 and
+  # float16 has no 65535 (inf): a zero point out of range stayed out.
+  x = jnp.array([0.0, 1.0, -1.0, 100.0, -100.0])
+  zero_point = jnp.asarray(zero_point, zero_point_dtype)
+  want = jq.fake_quantize(x, 1.0, np.array(clipped, dtype), dtype=dtype)
+  loss = lambda z: jnp.sum(jq.fake_quantize_learnable(x, 1.0, z, dtype=dtype))
+  assert_bits_equal(jq.fake_quantize_learnable(x, 1.0, zero_point, dtype=dtype), want)
+  float32_gradient = jax.grad(loss)(jnp.float32(zero_point))
+  assert float(jax.grad(loss)(zero_point)) == float(float32_gradient)
+
+
 def test_lsq_grad_factor():
   assert jq.lsq_grad_factor(100, dtype=jnp.int8) == pytest.approx(1 / np.sqrt(12700))
   assert jq.lsq_grad_factor(1, dtype=jnp.uint4) == pytest.approx(1 / np.sqrt(15))
+  assert jq.lsq_grad_factor(2**62, dtype=jnp.int8) == pytest.approx(1 / np.sqrt(2.0**62 * 127))
+  # math.sqrt's OverflowError before: the docstring promises ValueError.
+  with pytest.raises(ValueError, match="elements_per_scale must be below 2\\*\\*63"):
+    jq.lsq_grad_factor(10**400)
 
 
 # --- dynamic fake quantization -------------------------------------------------------

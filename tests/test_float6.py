@@ -567,3 +567,26 @@ def test_float6_errors(call, error, message, under_jit):
   with pytest.raises(error) as info:
     jax.jit(call)() if under_jit else call()
   assert str(info.value) == message
+
+
+_TRACED_FLOAT6 = "must be a NumPy float6 array or uint8 codes (XLA has no float6 type, so " \
+    "float6 values cross a jit boundary as codes: docs/numerics.md, \"float6\"), got a JAX " \
+    "array of float6_e2m3fn."
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda v: jq.dequantize_linear(v, 1.0), "dequantize_linear: x"),
+    (lambda v: jq.pack(v), "pack: x"),
+    (lambda v: jq.quantize_linear(X, 1.0, v[0]), "quantize_linear: zero_point"),
+    (lambda v: jq.dequantize_linear(CODES, 1.0, v[0], packed_dtype=E2M3),
+     "dequantize_linear: zero_point"),
+    (lambda v: jq.fake_quantize(X, 1.0, v[0], dtype=E2M3), "fake_quantize: zero_point"),
+], ids=["dq-x", "pack-x", "q-zero-point", "dq-zero-point", "fq-zero-point"])
+def test_float6_traced_by_the_callers_jit_is_refused_at_trace_time(call, argument):
+  # A NumPy float6 array passed to the caller's jit arrives as a float6 tracer,
+  # which XLA cannot compile: it crashed XLA ("Invalid bitcast i6 to i8") or
+  # raised lax's own TypeError.
+  values = np.array([1.0, -2.0, 0.5, 3.0], E2M3)
+  with pytest.raises(TypeError) as info:
+    jax.jit(call).trace(values)
+  assert str(info.value) == f"{argument} {_TRACED_FLOAT6}"

@@ -111,7 +111,7 @@ def _zero_point(rng, shape, dtype):
 
 def _on_device(a):
   """A NumPy float6 array as the uint8 codes a kernel sees; anything else as it is."""
-  codes, host_dtype = _dtypes.host_codes(a)
+  codes, host_dtype = _dtypes.host_codes("a", a)
   return a if host_dtype is None else jnp.asarray(codes)
 
 

@@ -265,6 +265,26 @@ def test_dequantize_uint32_wraps_around_in_its_own_width(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_python_int_uint32_zero_points_beyond_int32(implementation):
+  # jit reads a Python int as int32: 3e9 overflowed there (JAX's OverflowError)
+  # after the range check had accepted it.
+  x = np.array([1.0, -1.0, 3e9], np.float32)
+  want = jq.quantize_linear(x, 1.0, np.uint32(3_000_000_000), implementation=implementation)
+  assert want.tolist() == [3_000_000_001, 2_999_999_999, 2**32 - 1]
+  got = jq.quantize_linear(x, 1.0, 3_000_000_000, output_dtype=jnp.uint32,
+                           implementation=implementation)
+  assert_bits_equal(got, want)
+  codes = np.array([5, 3_000_000_001], np.uint32)
+  assert_bits_equal(
+      jq.dequantize_linear(codes, 1.0, 3_000_000_000, implementation=implementation),
+      jq.dequantize_linear(codes, 1.0, np.uint32(3_000_000_000), implementation=implementation))
+  assert_bits_equal(
+      jax.jit(lambda x: jq.quantize_linear(x, 1.0, 4_294_967_295, output_dtype=jnp.uint32,
+                                           implementation=implementation))(x),
+      np.array([2**32 - 1, 2**32 - 2, 2**32 - 1], np.uint32))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_dequantize_special_scales(implementation):
   x = jnp.array([-3, 0, 3], jnp.int8)
   for scale, expected in [(0.0, [-0.0, 0.0, 0.0]), (np.inf, [-np.inf, np.nan, np.inf]),

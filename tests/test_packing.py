@@ -370,6 +370,19 @@ def test_empty_packed_shapes_keep_their_shape(shape, scale, options, implementat
   assert y.shape == shape and y.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("shape, dtype", [
+    ((0, 8), jnp.int4), ((0, 16), jnp.uint2), ((3, 0, 8), jnp.int4), ((0, 6), jnp.int4),
+], ids=str)
+def test_empty_rows_of_whole_words_dequantize(shape, dtype, implementation):
+  # Rows of whole 32-bit words are read as words: (0, 8) int4 raised a
+  # ZeroDivisionError, reshaping zero bytes to (-1, 4).
+  rows = jq.pack(jnp.zeros(shape, dtype), layout="rows")
+  y = jq.dequantize_linear(rows, 0.5, packed_shape=shape, packed_dtype=dtype,
+                           implementation=implementation)
+  assert y.shape == shape and y.dtype == jnp.float32
+
+
 _PACKED_QUANTIZE_LAYOUTS = [
     # (x shape, scale shape, options): bytes within rows (the lane path), bytes
     # straddling rows or blocks, rank 0 and empty (the codes-then-pack path).

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxquant as jq
 from jaxquant import _dtypes
 from jaxquant import _numerics
 
@@ -139,3 +140,41 @@ def test_division_lowers_per_platform():
     text = divide.trace(x, jnp.float32(3)).lower(lowering_platforms=(platform,)).as_text()
     assert ("stablehlo.reduce_precision" in text) == wide, platform
     assert ("stablehlo.divide" in text and ("xf64>" in text) == wide), platform
+
+
+def _round_once(x, dtype):
+  """float64 x rounded once, to nearest even, to dtype (normal range): NumPy's own
+  float64 -> float16 cast, and for bfloat16 its 7 mantissa bits kept from float64's 52."""
+  if dtype == np.float16:
+    return x.astype(np.float16)
+  bits = x.view(np.uint64)
+  dropped = np.uint64(52 - 7)
+  half, lowest = np.uint64(1) << (dropped - np.uint64(1)), (bits >> dropped) & np.uint64(1)
+  rounded = ((bits + half - np.uint64(1) + lowest) >> dropped) << dropped
+  return rounded.view(np.float64).astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_float64_x_rounds_once_to_a_half_precision_under_x64(dtype):
+  # XLA converts float64 to float16 or bfloat16 through float32: x just past a
+  # tie of the narrow type rounded to float32's copy of the tie, then to even.
+  rng = np.random.default_rng(3)
+  count = 1 << 16
+  mantissa = int(jnp.finfo(dtype).nmant)
+  exponent = rng.integers(-10, 15, count)
+  ties = (rng.integers(1 << mantissa, 2 << mantissa, count) + 0.5) * 2.0 ** (
+      exponent - mantissa)
+  steps = rng.integers(1, 1 << 20, count) * rng.choice([-1, 1], count)
+  near_ties = (ties.view(np.int64) + steps).view(np.float64)
+  x = np.concatenate([near_ties, -near_ties, ties, rng.uniform(-6e4, 6e4, count)])
+  want = _round_once(np.abs(x), dtype).astype(np.float64) * np.sign(x)
+  with jax.enable_x64(True):
+    got = jax.jit(lambda x: _numerics.round_to(x, np.dtype(dtype)))(jnp.asarray(x))
+    assert got.dtype == np.float64
+    mismatch = np.flatnonzero(np.asarray(got) != want)
+    assert mismatch.size == 0, (x[mismatch[:4]], np.asarray(got)[mismatch[:4]], want[mismatch[:4]])
+    # The public ops divide in the scale's precision: the helpers' audit cases.
+    x = jnp.asarray([2049 + 2.0**-30, 257 + 2.0**-20])
+    assert jq.quantize_linear(x, np.float16(1), jnp.int16(0)).tolist() == [2050, 257]
+    assert jq.quantize_linear(x, ml_dtypes.bfloat16(1), jnp.int16(0)).tolist() == [2048, 258]
+    assert jq.fake_quantize(x, np.float16(1), dtype=jnp.int16).tolist() == [2050, 257]
