@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax import lax
 from jax.sharding import PartitionSpec
 
 from pallas_kernels import _platforms
@@ -163,8 +164,17 @@ def per_shard(kernel: Callable[..., Any]) -> Callable[..., Any]:
   """
   if not jax.sharding.get_abstract_mesh().manual_axes:
     return kernel
+
+  def kernel_of_unmarked(*args):
+    # Interpret mode (CPU) runs the kernel as a while_loop carrying its
+    # operands, which must keep their types: an operand still marked varying
+    # came out of the loop body unmarked (JAX 0.10.2 drops the mark in a
+    # reshape when unchecked, keeps it in a copy). A reshape unmarks them all.
+    unmark = lambda a: lax.reshape(a, (1, *a.shape))[0] if isinstance(a, jax.Array) else a
+    return kernel(*jax.tree.map(unmark, args))
+
   unchecked = jax.shard_map(
-      kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+      kernel_of_unmarked, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
       axis_names=frozenset(), check_vma=False,
   )
 

@@ -525,9 +525,10 @@ def _split_dim(array: jax.Array, k: int, inner: int) -> jax.Array:
   return array.reshape(array.shape[:k] + (n // inner, inner) + array.shape[k + 1:])
 
 
-def _unsplit(n) -> bool:
-  """A dim of at most one element has no blocks to view (a symbolic one may have)."""
-  return not _tiling.symbolic(n) and n <= 1
+def _unsplit(n, origin) -> bool:
+  """A whole dim of at most one element has no blocks to view (a symbolic one may
+  have); a shard of one element (``origin`` set) reads its block's value."""
+  return origin is None and not _tiling.symbolic(n) and n <= 1
 
 
 def _pad_dim(array: jax.Array, k: int, extra: int, value: float) -> jax.Array:
@@ -565,7 +566,7 @@ def _block_view(
   padded = list(part.shape)
   for k in reversed(range(len(part.shape))):
     n, block = part.shape[k], part.blocks[k]
-    if block == 1 or _unsplit(n):
+    if block == 1 or _unsplit(n, part.origins[k]):
       continue
     if part.origins[k] is None:
       piece, index = block, None
@@ -858,7 +859,7 @@ def _reduction_view(
   inner = [False] * x.ndim
   for k in reversed(range(x.ndim)):
     n, block = part.shape[k], part.blocks[k]
-    if block == 1 or _unsplit(n):
+    if block == 1 or _unsplit(n, part.origins[k]):
       continue
     if part.origins[k] is None:
       x = _pad_dim(x, k, -(-n // block) * block - n, pad_value)

@@ -22,7 +22,8 @@ platform branches are XLA's (an XLA:CPU conversion, XLA:GPU's division in
 float64), and a kernel's own needs are these replacements. Two more
 primitives that Triton cannot lower get exact replacements: ``lax.clz`` (a
 binary search over the bits; an H100 refused the kernels that held it) and
-``lax.reduce_precision`` to bfloat16's precision (rounding the bits).
+``lax.reduce_precision`` to bfloat16's precision (rounding the bits), which
+Mosaic cannot lower either.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def count_leading_zeros(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(count, x.dtype) if x.dtype != unsigned else count
 
 
-def _replacement(equation, *, divide: bool, rounding: bool):
+def _replacement(equation, *, divide: bool, rounding: bool, precision: bool):
   """The function replacing ``equation``'s primitive, or ``None`` to keep it.
 
   The replacement returns the equation's outputs as a list.
@@ -113,7 +114,7 @@ def _replacement(equation, *, divide: bool, rounding: bool):
       equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
   ):
     return lambda x: [round_half_to_even(x)]
-  if rounding and equation.primitive is lax.reduce_precision_p and float32 and (
+  if precision and equation.primitive is lax.reduce_precision_p and float32 and (
       equation.params["exponent_bits"] == 8
   ):
     return lambda x: [round_mantissa(x, equation.params["mantissa_bits"])]
@@ -122,7 +123,7 @@ def _replacement(equation, *, divide: bool, rounding: bool):
   return None
 
 
-def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
+def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool, precision: bool):
   env = {}
 
   def read(v):
@@ -141,7 +142,7 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
     if equation.outvars[0] in dead:
       continue
     inputs = [read(v) for v in equation.invars]
-    replacement = _replacement(equation, divide=divide, rounding=rounding)
+    replacement = _replacement(equation, divide=divide, rounding=rounding, precision=precision)
     # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...), and
     # custom_vmap functions, which a kernel body never batches.
     inner = equation.params.get("jaxpr", equation.params.get("call"))
@@ -156,7 +157,7 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
       outputs = replacement(*inputs)
     elif isinstance(inner, jax_core.ClosedJaxpr):
       outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide,
-                          rounding=rounding)
+                          rounding=rounding, precision=precision)
     else:
       outputs = equation.primitive.bind(*inputs, **equation.params)
       if not equation.primitive.multiple_results:
@@ -194,7 +195,8 @@ def _division_guard(jaxpr) -> tuple[set, set]:
 
 
 def exact(
-    formula: Callable[..., object], *, divide: bool = True, rounding: bool = True
+    formula: Callable[..., object], *, divide: bool = True, rounding: bool = True,
+    precision: bool = True,
 ) -> Callable[..., object]:
   """``formula`` as a kernel body: exact for Triton, without optimization barriers.
 
@@ -203,9 +205,11 @@ def exact(
     divide: replace float32 division by PTX ``div.rn.f32`` (CUDA only; off
       in interpret mode and on ROCm, whose ``fdiv`` lowering is already IEEE).
     rounding: replace float32 and float64 round-half-to-even by
-      :func:`round_half_to_even`, ``reduce_precision`` to bfloat16's range by
-      :func:`round_mantissa` and ``clz`` by :func:`count_leading_zeros`
-      (Triton lowers none of the three; Mosaic does).
+      :func:`round_half_to_even` and ``clz`` by :func:`count_leading_zeros`
+      (Triton lowers neither; Mosaic does).
+    precision: replace float32 ``reduce_precision`` (bfloat16's precision, a
+      float8's significand) by :func:`round_mantissa`: neither Triton nor
+      Mosaic lowers it.
 
   Returns:
     A function with ``formula``'s signature and results.
@@ -216,7 +220,7 @@ def exact(
     closed, out_tree = jax.make_jaxpr(formula, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
     outputs = _evaluate(closed.jaxpr, closed.consts, *flat_args, divide=divide,
-                        rounding=rounding)
+                        rounding=rounding, precision=precision)
     return jax.tree.unflatten(jax.tree.structure(out_tree), outputs)
 
   return wrapped

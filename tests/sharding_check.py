@@ -134,6 +134,41 @@ def one_device(case, f, *args):
   return _ONE_DEVICE[case]
 
 
+def one_element_shard_cases():
+  """Blocks along rows cut by shards of one row: each shard reads its block's parameter.
+
+  A kernel's shard of one row skipped the view of its blocked dim (a dim of one
+  element has none when whole), so it broadcast every block's parameter.
+  """
+  mesh = make_mesh("1d")
+  x_sharding = NamedSharding(mesh, P("c", None))
+  rng = np.random.default_rng(11)
+  x = rng.normal(0, 5, (ROWS, 16)).astype(np.float32)
+  q = rng.integers(-8, 8, (ROWS, 16)).astype(jnp.int4)
+  blocked = rng.uniform(0.1, 2, (3, 16)).astype(np.float32)  # blocks of 3 rows, ragged
+  broadcast = rng.uniform(0.1, 2, (2, 8)).astype(np.float32)  # 4 x 2 elements each
+  pairs = rng.uniform(0.1, 2, (4, 16)).astype(np.float32)  # blocks of 2 rows
+  for implementation in ("xla", "pallas"):
+    impl = dict(implementation=implementation)
+    for case, f, args in [
+        ("quantize_linear blocked", lambda x, s: jq.quantize_linear(
+            x, s, axis=0, block_size=3, output_dtype=jnp.int8, **impl), (x, blocked)),
+        ("dequantize_linear blocked", lambda q, s: jq.dequantize_linear(
+            q, s, axis=0, block_size=3, **impl), (q, blocked)),
+        ("quantize_linear block-wise broadcast", lambda x, s: jq.quantize_linear(
+            x, s, output_dtype=jnp.int8, **impl), (x, broadcast)),
+        ("dequantize_linear(packed rows) blocked", lambda q, s: jq.dequantize_linear(
+            jq.pack(q, layout="rows"), s, axis=0, block_size=2, packed_shape=q.shape, **impl),
+         (q, pairs)),
+        ("dynamic_quantize_linear blocked", lambda x: jq.dynamic_quantize_linear(
+            x, dtype=jnp.int8, axis=0, block_size=3, **impl), (x,)),
+    ]:
+      f = jax.jit(f)
+      sharded = (jax.device_put(args[0], x_sharding), *args[1:])
+      report(f"one-row 1d {implementation} {case}", f(*sharded),
+             f(*args), f.lower(*sharded).compile().as_text(), x_sharding, args[0].size // 8)
+
+
 def jit_cases(mesh_name, axis_type=AxisType.Auto):
   """Every element-wise op and layout under jit; on an explicit mesh, the ``typed`` cases."""
   prefix = "typed" if axis_type == AxisType.Explicit else "jit"
@@ -545,6 +580,36 @@ def shard_map_cases():
     check(f"{implementation} quantized_add per-tensor",
           lambda a, b: jq.quantized_add(a, 0.02, None, b, 0.03, None, 0.05, **impl),
           q.astype(np.int8), q.astype(np.int8)[::-1])
+  # Per-axis parameters beside a shard of rows: a column's scale replicated, a
+  # row's split with x; interpret mode's loop refused operands still marked
+  # varying. Every row is quantized on its own, so one device's whole result is
+  # the shards' together.
+  rows_spec = P("r", None)
+  rows_sharding = NamedSharding(mesh, rows_spec)
+  column_scale = rng.uniform(0.01, 0.05, columns).astype(np.float32)
+  row_scale = rng.uniform(0.01, 0.05, ROWS).astype(np.float32)
+  for implementation in ("xla", "pallas"):
+    impl = dict(implementation=implementation)
+    for case, op, params, specs, out_specs in [
+        ("quantize_linear per-column replicated",
+         lambda x, s: jq.quantize_linear(x, s, axis=1, output_dtype=jnp.int8, **impl),
+         (column_scale,), (P(),), rows_spec),
+        ("dequantize_linear per-column replicated",
+         lambda x, s: jq.dequantize_linear(jq.quantize_linear(x, 0.01, output_dtype=jnp.int8),
+                                           s, axis=1, **impl),
+         (column_scale,), (P(),), rows_spec),
+        ("quantize_linear per-row split",
+         lambda x, s: jq.quantize_linear(x, s, axis=0, output_dtype=jnp.int8, **impl),
+         (row_scale,), (P("r"),), rows_spec),
+        ("dynamic_quantize_linear per-row",
+         lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0, **impl), (), (),
+         (rows_spec, P("r"), P("r")))]:
+      got = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(rows_spec, *specs),
+                                  out_specs=out_specs))(
+          jax.device_put(x, rows_sharding),
+          *(jax.device_put(p, NamedSharding(mesh, spec)) for p, spec in zip(params, specs)))
+      report(f"shard_map 2d {implementation} {case}", got, op(x, *params), None,
+             rows_sharding, 0)
   # A kernel's output varies over the axes its inputs vary over: claiming it
   # replicated (out_specs=P()) must be refused, as for XLA's ops.
   try:
@@ -829,6 +894,7 @@ if __name__ == "__main__":
   conv_cases()
   integer_matmul_cases()
   vmap_cases()
+  one_element_shard_cases()
   shard_map_cases()
   explicit_mesh_packing_cases()
   explicit_mesh_layer_cases()

@@ -190,6 +190,25 @@ def test_blocks_cut_by_shards_exchange_halos_not_gathers(cases):
 
 
 @pytest.mark.slow
+def test_shards_of_one_row_read_their_blocks_parameters(cases):
+  """Blocks of rows cut by one-row shards: one device's bits, x never gathered.
+
+  Each kernel reads its shard's block parameter and moves nothing; XLA's
+  partitioner sends devices their blocks' scales (collective-permutes of scale
+  rows). Dynamic quantization's statistics of a block are its rows' partials,
+  here a row each: what crosses devices is then as large as a shard.
+  """
+  one_row = {name: case for name, case in cases.items() if name.startswith("one-row")}
+  assert len(one_row) == 10, one_row
+  assert all(case["equal"] and case["sharding"] for case in one_row.values()), one_row
+  static = {name: case for name, case in one_row.items() if "dynamic" not in name}
+  assert {name: case["collectives"] for name, case in static.items()
+          if " pallas " in name and case["collectives"]} == {}
+  assert all(c.startswith("collective-permute") and case["halo_elements"] <= 3 * 16
+             for case in static.values() for c in case["collectives"]), static
+
+
+@pytest.mark.slow
 def test_explicit_mesh_packs_rows_and_refuses_flat_across_shards(cases):
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" in name}
@@ -203,6 +222,8 @@ def test_inside_shard_map_with_default_options(cases):
   assert any(" pallas " in name for name in inside)
   assert any("lowers for tpu" in name for name in inside)
   assert any("lowers for cuda" in name for name in inside)
+  # Per-axis parameters beside the shard (interpret mode's loop refused them).
+  assert any(" pallas " in name and "per-column replicated" in name for name in inside)
   assert all(case["equal"] and case["sharding"] for case in inside.values()), inside
 
 
