@@ -57,11 +57,21 @@ def _schemes(weight: jax.Array, block_size: int):
   return schemes
 
 
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+  return value
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jaxquant", description=__doc__)
-  parser.add_argument("--size", type=int, default=4096, help="weight is size x size")
-  parser.add_argument("--block-size", type=int, default=32)
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs; best is kept")
+  parser.add_argument("--size", type=_positive, default=4096, help="weight is size x size")
+  parser.add_argument("--block-size", type=_positive, default=32)
+  parser.add_argument("--repeats", type=_positive, default=5, help="timed runs; best is kept")
   parser.add_argument("--tune", action="store_true",
                       help="apply jaxquant.tune_cpu() first (process-wide CPU settings)")
   args = parser.parse_args(argv)

@@ -1062,6 +1062,9 @@ def replace_ops(
   Returns:
     The paths of the layers changed.
 
+  Raises:
+    ValueError: for a mapping with a path that names no layer.
+
   Example:
     >>> import jaxquant as jq
     >>> class Dense:
@@ -1075,8 +1078,16 @@ def replace_ops(
     >>> jq.replace_ops(model, dot_general=jq.dot_general_dynamic_int8)
     ['layers/0', 'layers/1']
   """
+  found = layers(module)
+  for argument, ops in [("dot_general", dot_general),
+                        ("conv_general_dilated", conv_general_dilated)]:
+    if isinstance(ops, Mapping):
+      # A path that names no layer (a typo, another model's) would change nothing.
+      unknown = sorted(set(ops) - set(found))
+      _validate.check(not unknown, argument, f"a mapping of layer paths among {sorted(found)}",
+                      f"paths naming no layer: {unknown}")
   changed = []
-  for path, (layer, attribute) in layers(module).items():
+  for path, (layer, attribute) in found.items():
     if attribute == "conv_general_dilated":
       op = _chosen(conv_general_dilated, path)
     else:

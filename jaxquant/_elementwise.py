@@ -80,8 +80,8 @@ def quantized_add(
   broadcast NumPy-style. Integer outputs carry no gradient.
 
   Args:
-    a: integer quantized tensor (int8, uint8, 4- or 16-bit types; a, b and the
-      output may mix them).
+    a: integer quantized tensor (int2 to uint32; a, b and the output may mix
+      them; a Python list or int is int32, as ``jnp.asarray`` makes it).
     a_scale: per-tensor scale of ``a`` (float32, float16 or bfloat16).
     a_zero_point: per-tensor zero point of ``a`` in a's dtype, or ``None`` for 0.
     b: the other operand, broadcastable against ``a``.

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import re
+import typing
 from typing import Any
 
 import jax
@@ -274,6 +275,21 @@ class QuantizationRule:
   stacked_dims: int = 0
 
 
+def _check_rule(rule: QuantizationRule) -> None:
+  """What a rule states before any parameter is matched (the rest is checked per parameter)."""
+  try:
+    re.compile(rule.pattern)
+  except (re.error, TypeError) as error:
+    _validate.fail("rule.pattern", "a regular expression", f"{rule.pattern!r} ({error})",
+                   error=TypeError if isinstance(error, TypeError) else ValueError)
+  for name in ("min_ndim", "stacked_dims"):
+    value = _validate.static_int(f"rule.{name}", getattr(rule, name))
+    _validate.check(value >= 0, f"rule.{name}", "a non-negative int", value)
+  methods = typing.get_args(_recipes.Method)
+  _validate.check(rule.method in methods, "rule.method",
+                  ", ".join(map(repr, methods[:-1])) + f" or {methods[-1]!r}", repr(rule.method))
+
+
 def path_name(path: Sequence[Any]) -> str:
   """A pytree path as ``/``-joined keys: ``"layers/0/kernel/value"``."""
   names = []
@@ -460,6 +476,7 @@ def quantize_params(
         isinstance(rule, QuantizationRule), "rules",
         "a QuantizationRule or a sequence of them", repr(rule), error=TypeError,
     )
+    _check_rule(rule)
   learnable = _validate.static_bool("learnable", learnable)
 
   def quantize(path, leaf):

@@ -44,7 +44,9 @@ def per_platform(
   if unknown:
     raise ValueError(f"per_platform: unknown platforms {sorted(unknown)}; known: {PLATFORMS}")
   functions = [default, *dict.fromkeys(f for f in branches.values() if f is not default)]
-  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  # Their types, sharding included: an explicit mesh's split is part of the
+  # type, and the results' types are the default branch's.
+  avals = [jax.typeof(a) for a in arrays]
   jaxprs = tuple(jax.make_jaxpr(lambda *a, f=f: list(f(*a)))(*avals) for f in functions)
   index = tuple((p, functions.index(branches.get(p, default))) for p in PLATFORMS)
   return _per_platform_p.bind(*arrays, branches=jaxprs, index=index)
@@ -75,7 +77,7 @@ def _lowering(platform: str):
 def _batch(arrays, dims, *, branches, index):
   """vmap maps each branch: a kernel's own batching rule adds a grid axis."""
   # batching.not_mapped is None, vmap's own marker of an unmapped argument.
-  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  avals = [jax.typeof(a) for a in arrays]
   batched = tuple(
       jax.make_jaxpr(jax.vmap(jex_core.jaxpr_as_fun(b), in_axes=tuple(dims)))(*avals)
       for b in branches

@@ -184,12 +184,18 @@ def jit_cases(mesh_name, axis_type=AxisType.Auto):
     q = rng.integers(-8, 8, (ROWS, columns)).astype(jnp.int4)
     xs, qs = jax.device_put(x, x_sharding), jax.device_put(q, x_sharding)
     shard_elements = x.size // mesh.size
-    for implementation in implementations:
+    # The default implementation of blocked packed int4 dequantization chooses
+    # per platform when lowered (the route _dispatch.PALLAS_FASTER lists): its
+    # results' types held no split, so an explicit mesh gathered them.
+    for implementation in (*implementations, None):
       for layout, (s, z, kw) in layouts(columns, block_size).items():
         if layout != "blocked" and shard_name != "aligned":
           continue
         for name, op in ops(implementation).items():
           if implementation == "pallas" and name.startswith("fake"):
+            continue
+          if implementation is None and (layout, name) != (
+              "blocked", "dequantize_linear(packed rows)"):
             continue
           zero_point = None if "packed" in name else z
           if "dequantize" in name:
@@ -198,11 +204,11 @@ def jit_cases(mesh_name, axis_type=AxisType.Auto):
           args = (xs, qs, jax.device_put(s, replicated),
                   None if zero_point is None else jax.device_put(zero_point, replicated))
           compiled = f.lower(*args).compile().as_text()
-          case = f"{mesh_name} {implementation} {name} {layout} {shard_name}"
+          case = f"{mesh_name} {implementation or 'default'} {name} {layout} {shard_name}"
           report(f"{prefix} {case}", f(*args), one_device(case, f, x, q, s, zero_point),
                  compiled, x_sharding, shard_elements)
       for name, op in dynamic_ops(implementation).items():
-        if implementation == "pallas" and name.startswith("fake"):
+        if implementation == "pallas" and name.startswith("fake") or implementation is None:
           continue
         for layout, kw in [("per-tensor", {}), ("per-axis", dict(axis=0)),
                            ("blocked", dict(axis=1, block_size=block_size))]:
@@ -653,6 +659,21 @@ def explicit_mesh_packing_cases():
     refused = "layout='rows'" in str(error)
   print(json.dumps(dict(case="explicit 2d - flat pack of column shards refused",
                         equal=refused, sharding=refused, collectives=None)), flush=True)
+  # The default implementation chooses per platform when lowered for this
+  # route (blocked packed int4): its results' types held no split, so a
+  # weight of split rows came back whole on every device.
+  mesh, spec = make_mesh("1d", AxisType.Explicit), P("c", None)
+  rng = np.random.default_rng(4)
+  q = rng.integers(-8, 8, (64, 16)).astype(jnp.int4)
+  scale = rng.uniform(0.01, 0.05, (64, 2)).astype(np.float32)
+  f = jax.jit(lambda p, s: jq.dequantize_linear(p, s, axis=1, block_size=8,
+                                                packed_shape=q.shape, packed_dtype=jnp.int4))
+  want = f(jq.pack(q, layout="rows"), scale)
+  with jax.set_mesh(mesh):  # where a split is read from the types
+    args = (jax.device_put(jq.pack(q, layout="rows"), NamedSharding(mesh, spec)),
+            jax.device_put(scale, NamedSharding(mesh, spec)))
+    report("explicit 1d default dequantize_linear(packed rows) blocked, rows split", f(*args),
+           want, f.lower(*args).compile().as_text(), NamedSharding(mesh, spec), q.size // 8)
 
 
 def explicit_mesh_layer_cases():

@@ -30,3 +30,13 @@ def test_demo_tune_says_what_it_applied():
   # Applied before the first computation: the allocator settings (glibc) or nothing.
   assert "M_ARENA_MAX=1" in line or line == "tune_cpu: nothing applied", line
   assert "--tune (jaxquant.tune_cpu()" not in result.stdout
+
+
+@pytest.mark.parametrize("option, value", [("--size", "0"), ("--repeats", "0"),
+                                           ("--block-size", "-1"), ("--size", "x")])
+def test_demo_refuses_a_size_below_one(option, value, capsys):
+  # --repeats 0 printed 0.0 GB/s; --size 0 raised JAX's own errors.
+  from jaxquant import _demo  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    _demo.main([option, value])
+  assert f"argument {option}: must be a positive int, got '{value}'" in capsys.readouterr().err

@@ -381,6 +381,11 @@ def test_replace_ops_duck_typed_and_by_path():
   assert changed == ["encoder/conv", "heads/1"]
   assert model.heads[1].dot_general is jq.dot_general_fake_quant
   assert model.encoder["dense"].dot_general is None
+  # A path naming no layer (here "/" for "."): it changed nothing, silently.
+  with pytest.raises(ValueError, match=r"^replace_ops: dot_general must be a mapping of layer "
+                     r"paths among \['encoder/conv', .*\], got paths naming no layer: "
+                     r"\['heads\.0'\]\.$"):
+    jq.replace_ops(model, dot_general={"heads.0": jq.dot_general_fake_quant})
   jq.replace_ops(model, dot_general=jq.dot_general_dynamic_int8)
   einsum = model.heads[0].einsum_op
   np.testing.assert_array_equal(einsum("bi,io->bo", X, W),

@@ -345,6 +345,16 @@ def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
     (jq.QuantizationRule(dtype=jnp.float8_e4m3fn), True, TypeError, "integer"),
     (jq.QuantizationRule(method="minmax"), True, ValueError, "method"),
     (jq.QuantizationRule(), "yes", TypeError, "learnable"),
+    # Checked before any parameter is matched: a negative stacked_dims
+    # quantized biases, a bad pattern raised re.error, a bad method named
+    # choose_qparams' argument.
+    (jq.QuantizationRule(stacked_dims=-1), False, ValueError,
+     r"^quantize_params: rule\.stacked_dims must be a non-negative int, got -1\.$"),
+    (jq.QuantizationRule(min_ndim=-1), False, ValueError, r"rule\.min_ndim must be"),
+    (jq.QuantizationRule(pattern="("), False, ValueError,
+     r"^quantize_params: rule\.pattern must be a regular expression, got '\(' \(missing \)"),
+    (jq.QuantizationRule(method="max"), False, ValueError,
+     r"^quantize_params: rule\.method must be 'absmax', .*, got 'max'\.$"),
 ])
 def test_errors_name_the_argument(rules, learnable, error, match):
   with pytest.raises(error, match=match):

@@ -2,7 +2,7 @@
 
 The margins were measured on seeds 0-4 (the test runs seed 0): float
 95.8-97.8%; int8 QAT within 0.22 points of float; int4 PTQ 0.9-4.2 points
-below float, and int4 QAT above it by 2.7-4.0 points on the four seeds where
+below float, and int4 QAT above it by 2.2-4.2 points on the four seeds where
 PTQ lost more than 2, equal on the fifth; int2 PTQ 11-37% and int2 QAT
 86-91%. The thresholds leave room for another CPU's float rounding
 to train slightly different models.

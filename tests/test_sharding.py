@@ -212,8 +212,9 @@ def test_shards_of_one_row_read_their_blocks_parameters(cases):
 def test_explicit_mesh_packs_rows_and_refuses_flat_across_shards(cases):
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" in name}
-  assert len(explicit) == 2
+  assert len(explicit) == 3
   assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
+  assert all(not case["collectives"] for case in explicit.values()), explicit
 
 
 @pytest.mark.slow
