@@ -351,7 +351,8 @@ def calibrate(
   current: dict[str, Observer] = {}
   for path, (layer, attribute) in found.items():
     if attribute == "einsum_op":
-      op = functools.partial(jnp.einsum, _dot_general=_recording(path, lax.dot_general, current))
+      # x is the einsum's lhs there (jnp.einsum's own may pass the kernel first).
+      op = _dot_general._Einsum(_recording(path, lax.dot_general, current))
     else:
       op = _recording(path, originals[path] or _LAX[attribute], current)
     setattr(layer, attribute, op)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
+import math
 import string
 import types
 from typing import Any
@@ -317,7 +318,7 @@ def _weight_only(rhs, contracting, *, dtype, block_size, method):
   order = (*contracting, *free)
   # As a (contracted, free) matrix: blocks run along axis 0, output features along axis 1.
   matrix = jnp.transpose(rhs, order).reshape(
-      int(np.prod([rhs.shape[d] for d in contracting])), -1)
+      math.prod(rhs.shape[d] for d in contracting), math.prod(rhs.shape[d] for d in free))
   quantized = _fake_quantized_weight(
       matrix, 0 if block_size else 1, dtype=dtype, block_size=block_size, method=method)
   return jnp.transpose(
@@ -485,6 +486,13 @@ def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
     # integer convolutions", jax 0.11.2, H100).
     return lax.platform_dependent(lhs_values, rhs_values, cuda=by_taps, default=on_xla)
 
+  # lax.conv_general_dilated refuses an integer result of float operands; the
+  # float32 epilogue cast to one would truncate.
+  _validate.check(
+      preferred_element_type is None or jnp.issubdtype(preferred_element_type, jnp.floating),
+      "preferred_element_type", "a float dtype (the result's) or None",
+      None if preferred_element_type is None else np.dtype(preferred_element_type).name,
+      error=TypeError)
   accumulator = _sharding.placed(convolution, out_sharding, lhs_values, rhs_values)
   scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
   return (accumulator.astype(jnp.float32) * scale).astype(
@@ -517,8 +525,9 @@ def integer_conv_by_taps(
     padding = lax.padtype_to_pads(lhs.shape[2:], dilated_kernel, window_strides, padding)
   lhs = lax.pad(lhs, np.zeros((), lhs.dtype), [(0, 0, 0), (0, 0, 0)] + [
       (low, high, dilation - 1) for (low, high), dilation in zip(padding, lhs_dilation)])
-  out = [max(0, (n - k) // s + 1) for n, k, s in zip(lhs.shape[2:], dilated_kernel,
-                                                      window_strides)]
+  # max_dim and min_dim also order symbolic sizes (jax.export), which max and min cannot.
+  out = [jax.core.max_dim((n - k) // s + 1, 0)
+         for n, k, s in zip(lhs.shape[2:], dilated_kernel, window_strides)]
   depth_limit = 2**24 // (_value_bound(lhs) * _value_bound(rhs))
   batch, channels = lhs.shape[:2]
   outputs = rhs.shape[0]
@@ -533,10 +542,10 @@ def integer_conv_by_taps(
   for tap in np.ndindex(*kernel):
     # A window larger than the input gives an empty output, and a tap may then lie past
     # the input's end: its empty slice starts at the end (lax.slice takes no start past it).
-    start = [min(t * d, n) for t, d, n in zip(tap, rhs_dilation, lhs.shape[2:])]
+    start = [jax.core.min_dim(t * d, n) for t, d, n in zip(tap, rhs_dilation, lhs.shape[2:])]
     window = lax.slice(
         lhs, (0, 0, *start),
-        (batch, channels, *[b + (o - 1) * s + 1 if o else b
+        (batch, channels, *[jax.core.max_dim(b, b + (o - 1) * s + 1)
                             for b, o, s in zip(start, out, window_strides)]),
         (1, 1, *window_strides))
     x = window.reshape(*x_shape, *out)
@@ -879,58 +888,78 @@ def _chosen(op: Op | None, path: str):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Einsum:
-  """``jnp.einsum`` with its contractions run by ``op``; a stored operand goes to ``op`` whole.
+  """``jnp.einsum`` with its contraction run by ``op``, the activations as ``op``'s lhs.
 
-  ``jnp.einsum`` reads its operands as arrays, so an einsum with a
-  :class:`QuantizedArray` (or :class:`FakeQuantizedArray`) operand is
-  written as the one ``dot_general`` it is, and its result transposed to the
-  output's labels: two operands, each label once per operand, and none
-  summed within one operand alone.
+  A layer's einsum (``x``, then the kernel) is written as the one
+  ``dot_general`` it is, ``op(x, kernel)``, its result transposed to the
+  output's labels: two operands, an explicit output, each label once per
+  term, none summed within one operand alone. ``jnp.einsum`` itself may pass
+  the operands swapped (to spare a transpose), which a drop-in that treats
+  its operands differently (weight-only, static, fake-quant) cannot take; and
+  it reads operands as arrays, which a :class:`QuantizedArray` (or
+  :class:`FakeQuantizedArray`) is not. Other float einsums go to
+  ``jnp.einsum``; a stored operand requires the form above.
   """
 
   op: Callable[..., jax.Array]
 
   def __call__(self, subscripts: str, *operands: Any, out_sharding: Any = None,
                **kwargs: Any) -> jax.Array:
-    if not any(_params._is_container(x) for x in operands):
+    stored = any(_params._is_container(x) for x in operands)
+    plan = _one_dot_general(subscripts, operands)
+    if isinstance(plan, str):
+      _validate.check(not stored, "subscripts", plan + " (with a stored operand)",
+                      repr(subscripts))
       return jnp.einsum(subscripts, *operands, out_sharding=out_sharding,
                         _dot_general=self.op, **kwargs)
-    spec = subscripts.replace(" ", "")
-    inputs, arrow, output = spec.partition("->")
-    labels = inputs.split(",")
-    _validate.check(
-        len(operands) == 2 and len(labels) == 2 and arrow, "subscripts",
-        "two operands and an explicit output ('->') (with a stored operand)", repr(subscripts),
-    )
-    labels, output = _ellipsis_labelled(labels, output, operands, spec)
-    _validate.check(
-        all(len(set(x)) == len(x) for x in (*labels, output))
-        and all(len(x) == len(_shape(y)) for x, y in zip(labels, operands))
-        and set(output) <= set("".join(labels)),
-        "subscripts", "two operands' labels and the output's, each label once per term "
-        "(with a stored operand)", repr(subscripts),
-    )
-    lhs, rhs = labels
-    _validate.check(
-        all(label in output or label in other for x, other in ((lhs, rhs), (rhs, lhs))
-            for label in x),
-        "subscripts", "no label summed within one operand alone (with a stored operand)",
-        repr(subscripts),
-    )
-    contracting = [label for label in lhs if label in rhs and label not in output]
-    batch = [label for label in lhs if label in rhs and label in output]
-    result = batch + [label for label in lhs if label not in rhs] + [
-        label for label in rhs if label not in lhs]
-    numbers = ((tuple(map(lhs.index, contracting)), tuple(map(rhs.index, contracting))),
-               (tuple(map(lhs.index, batch)), tuple(map(rhs.index, batch))))
-    in_order = "".join(result) == output
-    _validate.check(
-        out_sharding is None or in_order, "out_sharding",
-        "None when a stored operand's product needs a transpose", repr(out_sharding),
-    )
+    numbers, permutation = plan
     kwargs.pop("optimize", None)
-    product = self.op(*operands, numbers, out_sharding=out_sharding, **kwargs)
-    return product if in_order else jnp.transpose(product, [result.index(x) for x in output])
+    if permutation is None:
+      return self.op(*operands, numbers, out_sharding=out_sharding, **kwargs)
+    product = self.op(*operands, numbers, out_sharding=_permuted(out_sharding, permutation),
+                      **kwargs)
+    return jnp.transpose(product, permutation)
+
+
+def _permuted(out_sharding: Any, permutation: Sequence[int]) -> Any:
+  """The sharding of a product whose transpose by ``permutation`` is ``out_sharding``'s."""
+  if out_sharding is None:
+    return None
+  spec = out_sharding.spec if isinstance(out_sharding, jax.sharding.NamedSharding) else (
+      out_sharding)
+  entries = (*spec, *[None] * (len(permutation) - len(spec)))
+  inverse = jax.sharding.PartitionSpec(*[entries[permutation.index(d)]
+                                         for d in range(len(permutation))])
+  if isinstance(out_sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(out_sharding.mesh, inverse)
+  return inverse
+
+
+def _one_dot_general(subscripts: str, operands: Sequence[Any]) -> Any:
+  """``(dimension_numbers, transpose or None)`` of a two-operand einsum as one
+  ``dot_general`` of its operands in order, or what keeps it from being one."""
+  spec = subscripts.replace(" ", "")
+  inputs, arrow, output = spec.partition("->")
+  labels = inputs.split(",")
+  if not (len(operands) == 2 and len(labels) == 2 and arrow):
+    return "two operands and an explicit output ('->')"
+  labels, output = _ellipsis_labelled(labels, output, operands, spec)
+  if not (all(len(set(x)) == len(x) for x in (*labels, output))
+          and all(len(x) == len(_shape(y)) for x, y in zip(labels, operands))
+          and set(output) <= set("".join(labels))):
+    return "two operands' labels and the output's, each label once per term"
+  lhs, rhs = labels
+  if not all(label in output or label in other for x, other in ((lhs, rhs), (rhs, lhs))
+             for label in x):
+    return "no label summed within one operand alone"
+  contracting = [label for label in lhs if label in rhs and label not in output]
+  batch = [label for label in lhs if label in rhs and label in output]
+  result = batch + [label for label in lhs if label not in rhs] + [
+      label for label in rhs if label not in lhs]
+  numbers = ((tuple(map(lhs.index, contracting)), tuple(map(rhs.index, contracting))),
+             (tuple(map(lhs.index, batch)), tuple(map(rhs.index, batch))))
+  in_order = "".join(result) == output
+  return numbers, None if in_order else [result.index(x) for x in output]
 
 
 def _ellipsis_labelled(labels: Sequence[str], output: str, operands: Sequence[Any],

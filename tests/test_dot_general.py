@@ -608,3 +608,24 @@ def test_integer_conv_lowered_for_cuda_holds_no_integer_convolution():
   assert "stablehlo.convolution" not in cuda and "stablehlo.convolution" in cpu
   np.testing.assert_allclose(conv(x), jax.lax.conv_general_dilated(
       x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), rtol=0.02)
+
+
+@pytest.mark.parametrize("block_size", [0, 2])
+def test_weight_only_contracting_an_empty_dim_gives_zeros(block_size):
+  # As lax.dot_general and the other drop-ins: it raised ZeroDivisionError
+  # reshaping the (0, 4) weight with a -1.
+  lhs, rhs = np.zeros((3, 0), np.float32), np.zeros((0, 4), np.float32)
+  got = jq.dot_general_weight_only(lhs, rhs, DENSE, block_size=block_size)
+  assert_bits_equal(got, lax.dot_general(lhs, rhs, DENSE))
+
+
+@pytest.mark.parametrize("op", [jq.conv_general_dilated_dynamic_int8,
+                                functools.partial(jq.conv_general_dilated_static_int8,
+                                                  input_scale=0.5)])
+def test_integer_convolutions_refuse_an_integer_result(op):
+  # As lax.conv_general_dilated refuses it: the float epilogue cast to int32
+  # truncated every output.
+  x, w = np.ones((1, 5, 2), np.float32), np.ones((3, 2, 4), np.float32)
+  with pytest.raises(TypeError, match="preferred_element_type must be a float dtype"):
+    op(x, w, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+       preferred_element_type=jnp.int32)

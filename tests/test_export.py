@@ -288,6 +288,29 @@ def test_drop_ins_export_with_a_symbolic_batch(name):
     assert_bits_equal(exported.call(x), function(x), f"batch {rows}")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("options", [
+    dict(window_strides=(1,), padding="VALID"), dict(window_strides=(2,), padding="VALID"),
+    dict(window_strides=(1,), padding="VALID", rhs_dilation=(2,)),
+    dict(window_strides=(1,), padding=[(1, 0)]),
+], ids=["valid", "stride-2", "dilated", "explicit"])
+def test_integer_convolutions_export_with_a_symbolic_length(options, static):
+  """A sequence of symbolic length (nnx.Conv's CAUSAL or CIRCULAR padding calls VALID).
+
+  The CUDA branch (the convolution by taps, which every platform traces)
+  did Python arithmetic on the output length: "Symbolic dimension
+  comparison 't - 2' > '0' is inconclusive", for CPU too.
+  """
+  kernel = _DROP_IN_RNG.normal(size=(3, 2, 4)).astype(np.float32)
+  op = jq.conv_general_dilated_static_int8 if static else jq.conv_general_dilated_dynamic_int8
+  function = jax.jit(lambda x: op(x, kernel, dimension_numbers=("NWC", "WIO", "NWC"), **options,
+                                  **(dict(input_scale=np.float32(0.1)) if static else {})))
+  exported = export.export(function, platforms=("cpu", "cuda"))(
+      jax.ShapeDtypeStruct(export.symbolic_shape("b, t") + (2,), jnp.float32))
+  x = np.random.default_rng(1).normal(size=(2, 9, 2)).astype(np.float32)
+  assert_bits_equal(exported.call(x), function(x))
+
+
 @pytest.mark.parametrize("name", ["dot_general_fake_quant", "conv_general_dilated_fake_quant"])
 def test_fake_quant_drop_in_gradients_export_with_a_symbolic_batch(name):
   """d/dx and d/dw of a sum of the output, bit for bit the gradient under jit.

@@ -442,10 +442,41 @@ def test_einsum_layer_with_a_stored_kernel(subscripts, kernel_shape, axis, rows)
     with pytest.raises(ValueError, match="each label once"):
       served.einsum_op("bdd,dk->bk", x[:, :, None], stored)
   if subscripts == "bd,od->ob":
+    # A product that needs a transpose takes out_sharding permuted (it was refused).
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    with pytest.raises(ValueError, match="out_sharding"):
-      served.einsum_op(subscripts, x, stored, out_sharding=jax.sharding.NamedSharding(
-          mesh, jax.sharding.PartitionSpec()))
+    sharded = served.einsum_op(subscripts, x, stored, out_sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("data")))
+    np.testing.assert_array_equal(sharded, served(x))
+
+
+@pytest.mark.parametrize("subscripts, kernel_shape, x_shape, numbers, permutation", [
+    # jnp.einsum passes these to its dot_general as (kernel, x): heads as a batch
+    # dim, and an output whose kernel labels come first.
+    ("bhd,hdk->bhk", (3, 8, 4), (2, 3, 8), (((2,), (1,)), ((1,), (0,))), (1, 0, 2)),
+    ("bthd,hdk->bthk", (3, 8, 4), (2, 5, 3, 8), (((3,), (1,)), ((2,), (0,))), (1, 2, 0, 3)),
+    ("bd,dk->kb", (8, 4), (2, 8), (((1,), (0,)), ((), ())), (1, 0)),
+])
+def test_einsum_layer_gives_the_drop_in_x_as_lhs(subscripts, kernel_shape, x_shape, numbers,
+                                                 permutation):
+  """A float-kernel nnx.Einsum: the drop-in's lhs is x, as a direct call's.
+
+  jnp.einsum swapped the operands of these specs, so the weight-only drop-in
+  quantized the activations (0.75 off against max|y| 1.6), the static one
+  scaled the kernel by the input scale, and calibrate observed the kernel.
+  """
+  x = jnp.asarray(np.random.default_rng(0).normal(0, 5, x_shape), jnp.float32)
+  make = lambda: nnx.Einsum(subscripts, kernel_shape, bias_shape=None, rngs=nnx.Rngs(0))
+  kernel = make().kernel[...]
+  for op in [functools.partial(jq.dot_general_weight_only, dtype=jnp.int2),
+             functools.partial(jq.dot_general_static_int8, input_scale=0.5),
+             jq.dot_general_fake_quant]:
+    einsum = make()
+    jq.replace_ops(einsum, dot_general=op)
+    np.testing.assert_array_equal(einsum(x), jnp.transpose(op(x, kernel, numbers), permutation))
+  einsum = make()
+  (observer,) = jq.calibrate(einsum, [x], method="minmax")["dot_general"].values()
+  assert float(observer.keywords["input_scale"]) == pytest.approx(
+      float(jnp.max(x) - jnp.min(x)) / 255, rel=1e-6)
 
 
 def test_einsum_layer_trains_with_its_learnable_kernel_held():
