@@ -1070,10 +1070,11 @@ def replace_ops(
   Duck-typed: any object under ``module`` (see :func:`layers`) with a
   callable ``dot_general`` attribute (Flax ``nnx.Linear``,
   ``nnx.LinearGeneral``, linen modules built with one) gets ``dot_general``;
-  one with ``einsum_op`` (``nnx.Einsum``) gets ``jnp.einsum`` running on
-  ``dot_general``; one with ``conv_general_dilated`` (``nnx.Conv``) gets
-  ``conv_general_dilated``. Either may be a mapping from layer path to
-  function (layers it lacks keep theirs), as :func:`calibrate` returns.
+  one with ``einsum_op`` (``nnx.Einsum``) gets an einsum running on
+  ``dot_general`` (x as its lhs); one with ``conv_general_dilated``
+  (``nnx.Conv``) gets ``conv_general_dilated``. Either may be a mapping from
+  layer path to function (layers it lacks keep theirs; a path naming no
+  layer is an error), as :func:`calibrate` returns.
 
   A changed layer's ``promote_dtype`` (Flax NNX's dtype promotion, if it has
   one) is wrapped to pass a stored kernel through untouched: a model merged
