@@ -17,6 +17,7 @@ from jaxquant import _bind
 from jaxquant import _dot_general
 from jaxquant import _dtypes
 from jaxquant import _dynamic
+from jaxquant import _numerics
 from jaxquant import _recipes
 from jaxquant import _sharding
 from jaxquant import _validate
@@ -158,7 +159,10 @@ def observe(state: Observer, x: ArrayLike) -> Observer:
     values, first = _has_values(low, high), ~_has_values(state.low, state.high)
 
     def average(old, new):
-      return jnp.where(values, jnp.where(first, new, m * old + (1 - m) * new), old)
+      # Each product rounded, as the formula says: XLA:CPU fused one into an FMA
+      # in some programs (vmap, scan) and not in others (disable_jit).
+      moved = _numerics.rounded_sum(m * old, (1 - m) * new)
+      return jnp.where(values, jnp.where(first, new, moved), old)
 
     new_low, new_high = average(state.low, low), average(state.high, high)
   magnitude = jnp.abs(x).reshape(-1)

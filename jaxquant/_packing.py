@@ -99,6 +99,14 @@ def to_codes(x: jax.Array, info: _dtypes.QuantizedDType) -> jax.Array:
   mask = jnp.uint8((1 << info.bits) - 1)
   if info.as_codes or x.dtype == jnp.uint8:
     return x & mask
+  if x.dtype == jnp.float4_e2m1fn:
+    # From the float32 value's bits: XLA:CPU emits invalid LLVM IR for a
+    # float4 -> uint4 bitcast inside a loop (pack in lax.scan crashed).
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    exponent = (bits >> 23) & 0xFF  # 126 for 0.5, the one subnormal; 127-129 for 1-6
+    magnitude = jnp.where(exponent >= 127, ((exponent - 126) << 1) | ((bits >> 22) & 1),
+                          (exponent == 126).astype(jnp.uint32))
+    return (((bits >> 31) << 3) | magnitude).astype(jnp.uint8)
   # The mask is a no-op by the types, but XLA:CPU, fusing this conversion with
   # the computation of x, can leave the sign extension of a negative int2 in
   # the upper bits (-2 became 254 under one jit).

@@ -58,7 +58,10 @@ def _branch(branches, index, platform: str) -> Callable[..., list[jax.Array]]:
 
 
 def _impl(*arrays, branches, index):
-  return jax.jit(lambda *a: _per_platform_p.bind(*a, branches=branches, index=index))(*arrays)
+  # Compiled even under jax.disable_jit(), where the jitted bind would call
+  # this again, forever: the branch is chosen when the program is lowered.
+  with jax.disable_jit(False):
+    return jax.jit(lambda *a: _per_platform_p.bind(*a, branches=branches, index=index))(*arrays)
 
 
 def _abstract_eval(*avals, branches, index):

@@ -820,3 +820,24 @@ def test_bfloat16_precision_quantize_lowers(options, platform):
   text = jax.jit(f).trace(jnp.zeros((64, 256))).lower(lowering_platforms=(platform,)).as_text()
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
   assert "reduce_precision" not in text
+
+
+def test_kernels_and_per_platform_routes_run_under_disable_jit():
+  # A call choosing its path per platform (the default blocked packed int4
+  # dequantize, every implementation="pallas" call) recursed forever under
+  # jax.disable_jit(): its jitted bind called itself again.
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.integers(-8, 8, (3, 10)), jnp.int4)
+  scale = jnp.asarray(rng.uniform(0.5, 2, (3, 3)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(3, 10)), jnp.float32)
+  calls = [
+      lambda: jq.dequantize_linear(jq.pack(q), scale, axis=1, block_size=4,
+                                   packed_shape=q.shape, packed_dtype=jnp.int4),
+      lambda: jq.quantize_linear(x, scale, axis=1, block_size=4, output_dtype=jnp.int4,
+                                 implementation=P),
+      lambda: jq.dynamic_quantize_linear(x, implementation=P),
+  ]
+  for call in calls:
+    want = call()
+    with jax.disable_jit():
+      jax.tree.map(assert_bits_equal, call(), want)

@@ -22,6 +22,7 @@ import functools
 import hypothesis
 from hypothesis import strategies as st
 import jax
+from jax import lax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -444,3 +445,16 @@ def test_pack_under_one_jit_with_negative_int2():
 def test_packed_quantize_refuses_whole_byte_dtypes():
   with pytest.raises(ValueError, match="packed must be False for int8"):
     jq.quantize_linear(np.zeros(4, np.float32), 1.0, jnp.int8(0), packed=True)
+
+
+def test_float4_packs_inside_a_loop():
+  # XLA:CPU emitted invalid LLVM IR for the float4 -> uint4 bitcast in a
+  # while loop: pack in lax.scan crashed compiling. Every code, both ways.
+  codes = jnp.arange(16, dtype=jnp.uint8)
+  values = lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
+  want = jq.pack(values)
+  assert_bits_equal(want, np.array([16 * (k + 1) + k for k in range(0, 16, 2)], np.uint8))
+  stacked = jnp.stack([values, values[::-1]])
+  got = lax.scan(lambda carry, x: (carry, jq.pack(x)), 0, stacked)[1]
+  assert_bits_equal(got[0], want)
+  assert_bits_equal(got[1], jq.pack(values[::-1]))
