@@ -24,7 +24,8 @@ issued back to back, so that the host's dispatch overlaps the device's work
 as it does in a model. On CPU the kernels run in Pallas interpret mode,
 which is for correctness only and slow: the default there is 64K elements,
 3 repeats and one matmul shape, a check that the script runs and that every
-kernel equals XLA bit for bit; read nothing into its times. Each row is
+kernel equals XLA bit for bit (the element-wise table's last column, and a
+line per matmul shape); read nothing into its times. Each row is
 printed as soon as it is measured, after a line naming the op being run.
 """
 
@@ -237,6 +238,11 @@ def main():
       bar = bar or ms
       print(f"| {m} | {name} | {ms:.4f} | {moved / ms / 1e6:.0f} | {ms / bar:.2f} |", flush=True)
       matmuls.append(dict(rows=m, product=name, ms=ms, bytes=moved))
+    if {"matmul_nbits int4, xla", "matmul_nbits int4, pallas"} <= results.keys():
+      # Expected on CPU (interpret mode) and TPU; Triton sums K in steps (docs/numerics.md).
+      same = np.array_equal(*(np.asarray(results[f"matmul_nbits int4, {i}"]).view(np.uint32)
+                              for i in ("xla", "pallas")))
+      print(f"M={m} matmul_nbits int4: pallas and xla same bits: {same}", flush=True)
     reference = np.asarray(results["float32 dot, full precision"], np.float64)
     for name, value in results.items():
       error = np.linalg.norm(np.asarray(value, np.float64) - reference) / np.linalg.norm(

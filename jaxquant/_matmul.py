@@ -1045,6 +1045,13 @@ def matmul_nbits(
   two agree to float32 summation error, not bit for bit. Gradients flow
   to ``a``, ``scales`` and ``bias`` (the codes are integers).
 
+  onnxruntime's ``accuracy_level`` attribute has no counterpart: this is its
+  float32 computation (levels 0 and 1). At level 4, with the weight a
+  constant initializer, onnxruntime quantizes ``a`` to int8 and differs by
+  that rounding. Its optional ``g_idx`` input (a permutation of K's blocks)
+  is not taken: onnxruntime's fifth input is ``g_idx``, this op's fifth
+  argument ``bias``, so pass inputs by name.
+
   Args:
     a: float32 (or float16, bfloat16) activations ``(..., K)``.
     b: packed uint8 codes ``(N, k_blocks, blob_size)`` (any shape of that
