@@ -38,9 +38,11 @@ def checked(function: Callable[_P, _T]) -> Callable[_P, _T]:
 
   Inside, each op checks, as the program runs:
 
-  * ``scale`` and every ``*_scale``: finite and > 0 (a negative scale flips
-    the sign of every output, a zero or NaN one saturates them);
-  * float zero points: finite (a NaN float8 zero point makes every output
+  * ``scale``, ``scales`` and every ``*_scale``: finite and > 0 (a negative
+    scale flips the sign of every output, a zero or NaN one saturates them;
+    on CPU one below float32's smallest normal, such as float8_e8m0fnu's
+    2**-127, reads as 0, docs/numerics.md J1, and fails too);
+  * float zero points (``zero_point``, ``zero_points``, ``*_zero_point``): finite (a NaN float8 zero point makes every output
     NaN); for an integer dtype (LSQ's learned zero point) also within the
     dtype's range once rounded, where it would be clipped silently;
   * uint8 codes of a sub-byte dtype (``x`` of :func:`dequantize_linear` with
@@ -82,6 +84,13 @@ def checked(function: Callable[_P, _T]) -> Callable[_P, _T]:
 
   @functools.wraps(function)
   def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+    # NumPy float arrays (scales) as JAX arrays: checkify's vmap rule indexes a
+    # NumPy check payload with a tracer, which fails (jax 0.10.2). Integer ones
+    # stay NumPy for the ops' host checks (an int64 zero point is refused), and
+    # float6 ones are codes.
+    args, kwargs = jax.tree.map(
+        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) and a.dtype.kind == "f"
+        and _dtypes.host_codes("x", a)[1] is None else a, (args, kwargs))
     with _CHECKING(True):
       error, out = checkify.checkify(function)(*args, **kwargs)
     checkify.check_error(error)
@@ -93,6 +102,12 @@ def checked(function: Callable[_P, _T]) -> Callable[_P, _T]:
 def enabled() -> bool:
   """Whether the ops are being traced inside :func:`checked`."""
   return _CHECKING.value
+
+
+def unchecked() -> Any:
+  """A context in which ops check nothing: for parameters the library computed itself
+  (from statistics of x, whose infinities are legal), which the caller never passed."""
+  return _CHECKING(False)
 
 
 def _quantized(dtype: Any) -> _dtypes.QuantizedDType | None:
@@ -144,12 +159,12 @@ def check(function: str, arguments: dict[str, Any]) -> None:
   for argument, value in arguments.items():
     if value is None:
       continue
-    if argument == "scale" or argument.endswith("_scale"):
+    if argument in ("scale", "scales") or argument.endswith("_scale"):
       scale = jnp.asarray(value)
       wide = scale.astype(jnp.float32)
       _require(function, argument, "finite and > 0", scale,
                ~(jnp.isfinite(wide) & (wide > 0)))
-    elif argument == "zero_point" or argument.endswith("_zero_point"):
+    elif argument in ("zero_point", "zero_points") or argument.endswith("_zero_point"):
       if _dtypes.host_codes(argument, value)[1] is not None:
         continue  # NumPy float6 values: every code is a finite number.
       zero_point = jnp.asarray(value)

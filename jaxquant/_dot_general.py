@@ -22,6 +22,7 @@ from jax.typing import ArrayLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _checked
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _fake
@@ -60,7 +61,8 @@ def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
   """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``."""
   x = _dtypes.float_input("lhs or rhs", jnp.asarray(x))
   scale = _symmetric_scale(x, reduced, info)
-  return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
+  with _checked.unchecked():
+    return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
 
 def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
@@ -107,10 +109,13 @@ def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sh
   compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
 
   def product(lhs_values, rhs_values, lhs_scale, rhs_scale, lhs_zero_point):
-    return _matmul.quantized_dot_general(
-        lhs_values, rhs_values, dimension_numbers, lhs_scale=lhs_scale,
-        lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
-    ).astype(result_dtype)
+    # The scales are the activations' statistics (or were checked when they
+    # quantized them) and the stored weight's.
+    with _checked.unchecked():
+      return _matmul.quantized_dot_general(
+          lhs_values, rhs_values, dimension_numbers, lhs_scale=lhs_scale,
+          lhs_zero_point=lhs_zero_point, rhs_scale=rhs_scale, preferred_element_type=compute,
+      ).astype(result_dtype)
 
   return _sharding.placed(product, out_sharding, lhs_values, rhs_values, lhs_scale,
                           rhs_scale, lhs_zero_point)
@@ -295,7 +300,8 @@ def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
   # The scale is held constant: its statistics read x without a tangent, so no
   # derivative of their reduction is traced at all.
   scale = _symmetric_scale(lax.stop_gradient(x), reduced)
-  return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
+  with _checked.unchecked():
+    return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
 
 def _trained(rhs: Any) -> Any:
@@ -330,8 +336,9 @@ def _fake_quantized_weight(weight, axis, *, dtype, block_size, method):
   :func:`quantize_params` stores it (bit for bit its ``dequantize()``)."""
   scale, zero_point = _recipes.choose_qparams(
       weight, dtype, axis=axis, block_size=block_size, method=method)
-  return _fake.fake_quantize(
-      weight, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
+  with _checked.unchecked():
+    return _fake.fake_quantize(
+        weight, scale, zero_point, dtype=dtype, axis=axis, block_size=block_size)
 
 
 @_validate.reports_as("dot_general_weight_only")

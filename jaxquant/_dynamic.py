@@ -496,7 +496,7 @@ def dynamic_quantize_linear(
     ``(y, scale, zero_point)``: ``y`` like x in ``dtype``; ``scale`` float32 and
     ``zero_point`` in ``dtype``, shaped so that
     ``dequantize_linear(y, scale, zero_point, axis=axis, block_size=block_size)``
-    reconstructs x within ``scale / 2`` per element.
+    reconstructs x within ``scale / 2`` per element, up to float32 rounding.
 
   Raises:
     TypeError: if ``x`` is not a float array or ``dtype`` not an integer quantized dtype.

@@ -15,6 +15,7 @@ from jax.typing import DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _checked
 from jaxquant import _dtypes
 from jaxquant import _fake
 from jaxquant import _linear
@@ -356,7 +357,8 @@ def _quantize(leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
   )
   if rule.method != "minmax":
     zero_point = None
-  return _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
+  with _checked.unchecked():  # the scale is the recipe's, not the caller's
+    return _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
 
 
 def _splits_minor_dim(x: jax.Array) -> bool:

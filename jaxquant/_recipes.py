@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import _bind
+from jaxquant import _checked
 from jaxquant import _dtypes
 from jaxquant import _dynamic
 from jaxquant import _fake
@@ -82,7 +83,11 @@ def _percentile(x, granularity, q):
       return jnp.zeros(granularity.param_shape, jnp.float32)
     # A float32 q: a Python float is float64 under x64, where q / 100 rounded
     # from float64 moved the interpolation (scales up to 8 ulps off x32's).
-    return jnp.nan_to_num(jnp.nanpercentile(magnitude, np.float32(q), axis=-1))
+    # NaN (a block of NaNs, or jnp's interpolation landing exactly on an
+    # infinity: inf * 0) reads as 0; an infinity interpolated towards stays
+    # infinite, as absmax's (nan_to_num's default made it float32's max).
+    return jnp.nan_to_num(jnp.nanpercentile(magnitude, np.float32(q), axis=-1),
+                          posinf=np.inf)
 
   return _per_block(percentile, x, granularity)
 
@@ -154,7 +159,9 @@ def choose_qparams(
     (integers; :func:`dynamic_quantize_linear`'s parameters).
   * ``"percentile"``: ``"absmax"`` with :math:`m` the ``percentile`` of
     :math:`|x|` in each block (NaNs ignored; a percentile interpolated towards an
-    infinity is NaN, ``inf - inf``, and read as 0: scale 1).
+    infinity is infinite, as absmax's, but one landing exactly on an infinity,
+    ``percentile=100`` of a block holding one, is ``inf * 0``, NaN, in the
+    interpolation and read as 0: scale 1).
   * ``"mse"``: ``"absmax"`` with, per block, the clip ratio among
     ``1, 0.98, ..., 0.2`` (times ``clip_ratio``) that minimises the squared
     error of :func:`fake_quantize` over the block.
@@ -235,9 +242,10 @@ def _mse_scale(x, magnitude, info, granularity, shape):
 
   def error(ratio):
     scale = _magnitude_scale(magnitude * ratio, info.max)
-    y = _fake.fake_quantize(
-        x, scale.reshape(shape), dtype=info.dtype, axis=axis, block_size=block_size
-    )
+    with _checked.unchecked():
+      y = _fake.fake_quantize(
+          x, scale.reshape(shape), dtype=info.dtype, axis=axis, block_size=block_size
+      )
     return scale, _squared_error(y - x, granularity)
 
   scales, errors = jax.lax.map(error, ratios)

@@ -41,6 +41,8 @@ def _ones(*shape, dtype=jnp.float32):
   return jnp.ones(shape, dtype)
 
 
+NBITS_CODES = np.full((1, 2, 8), 0x98, np.uint8)  # MatMulNBits' (N, blocks, bytes), 4 bits
+
 BAD_CASES = [
     BadCase(
         "negative scale, per axis",
@@ -125,6 +127,20 @@ BAD_CASES = [
         "dequantize_linear: x must be below 64 (float6_e3m2fn codes have 6 bits), "
         "got 200 at index (1, 1).",
     ),
+    # Plural names: matmul_nbits' scales and zero points were not checked at all.
+    BadCase(
+        "negative block scale of matmul_nbits",
+        lambda a, scales: jq.matmul_nbits(a, NBITS_CODES, scales, K=32, N=1, block_size=16),
+        (_ones(1, 32), jnp.array([[0.5, -2.0]], jnp.float32)),
+        "matmul_nbits: scales must be finite and > 0, got -2.0 at index (0, 1).",
+    ),
+    BadCase(
+        "NaN float zero point of matmul_nbits",
+        lambda a, zero_points: jq.matmul_nbits(a, NBITS_CODES, _ones(1, 2), zero_points,
+                                               K=32, N=1, block_size=16),
+        (_ones(1, 32), jnp.array([[8.0, np.nan]], jnp.float32)),
+        "matmul_nbits: zero_points must be finite, got nan at index (0, 1).",
+    ),
     BadCase(
         "int4 codes above 15 to pack",
         lambda codes: jq.pack(codes, dtype=jnp.int4),
@@ -202,6 +218,19 @@ GOOD_CASES = [
     (lambda x: jq.dynamic_quantize_linear(x), (jnp.array([np.inf, 0.0, 1.0]),)),
     (lambda a: jq.quantized_add(a, 0.5, 3, a, 0.25, 4, 1.0, 5), (_ones(3, dtype=jnp.uint8),)),
     (lambda x: jq.quantize_linear(x, jnp.ones((0,), jnp.float32), axis=0), (_ones(0),)),
+    # Scales the library computes from x, whose infinities are legal: its own
+    # inner calls were checked and blamed (fake_quantize: scale ... got inf).
+    (lambda x: jq.choose_qparams(x, jnp.int8, method="mse"), (jnp.array([1.0, np.inf, -2.0]),)),
+    (lambda x: jq.dot_general_dynamic_int8(x, _ones(3, 2), (((1,), (0,)), ((), ()))),
+     (jnp.array([[1.0, np.inf, -2.0]]),)),
+    (lambda x: jq.dot_general_fake_quant(x, _ones(3, 2), (((1,), (0,)), ((), ()))),
+     (jnp.array([[1.0, np.inf, -2.0]]),)),
+    (lambda w: jq.quantize_params({"w": w}, jq.QuantizationRule(pattern="w")),
+     (jnp.array([[1.0, np.inf], [-2.0, 3.0]]),)),
+    # A per-example NumPy scale under vmap (checkify's rule indexed the NumPy
+    # payload with a tracer).
+    (jax.vmap(lambda x, s: jq.quantize_linear(x, s, output_dtype=jnp.int8)),
+     (np.ones((3, 4), np.float32), np.full(3, 0.5, np.float32))),
 ]
 
 

@@ -53,6 +53,19 @@ def test_percentile_of_magnitudes_per_block():
   np.testing.assert_allclose(scale, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("x, percentile, expected", [
+    ([1.0, 2.0, 3.0, np.inf], 99.0, np.inf),       # interpolated towards an infinity
+    ([1.0, np.inf, np.inf, np.inf], 50.0, np.inf),  # between two
+    ([1.0, 2.0, 3.0, np.inf], 100.0, 1.0),          # exactly on one: inf * 0 reads as 0
+])
+def test_percentile_of_an_infinity(x, percentile, expected):
+  # nan_to_num made an infinite percentile float32's max: scale 2.68e36, where
+  # every finite x quantizes to 0 (absmax gives inf).
+  scale, _ = jq.choose_qparams(np.array(x, np.float32), jnp.int8, method="percentile",
+                               percentile=percentile)
+  assert float(scale) == expected
+
+
 def test_mse_picks_the_least_squared_error_ratio_per_block():
   x = W
   scale, _ = jq.choose_qparams(x, jnp.int4, axis=0, method="mse")
