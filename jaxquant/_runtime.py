@@ -103,8 +103,10 @@ def tune_cpu(
   global _applied
   if vector_width not in (None, 256, 512):
     raise ValueError(f"tune_cpu: vector_width must be 256, 512 or None, got {vector_width!r}")
+  # A bool is an int to Python: True would be a threshold of one byte.
   if mmap_threshold is not None and not (
-      isinstance(mmap_threshold, int) and 0 < mmap_threshold < 1 << 31):
+      isinstance(mmap_threshold, int) and not isinstance(mmap_threshold, bool)
+      and 0 < mmap_threshold < 1 << 31):
     raise ValueError(
         "tune_cpu: mmap_threshold must be a positive int below 2**31 (bytes) or None, "
         f"got {mmap_threshold!r}"

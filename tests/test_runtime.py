@@ -140,7 +140,8 @@ def test_without_glibc_the_allocator_is_left_alone():
 
 @pytest.mark.parametrize("keywords", [
     dict(vector_width=384), dict(mmap_threshold=0), dict(mmap_threshold=1 << 31),
-    dict(mmap_threshold=1.5e9), dict(async_dispatch=0), dict(async_dispatch="sync"),
+    dict(mmap_threshold=1.5e9), dict(mmap_threshold=True), dict(async_dispatch=0),
+    dict(async_dispatch="sync"),
 ])
 def test_invalid_settings_raise_before_anything_is_applied(keywords):
   # In this process: validation comes first, so nothing is tuned here.
