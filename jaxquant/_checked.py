@@ -42,8 +42,9 @@ def checked(function: Callable[_P, _T]) -> Callable[_P, _T]:
     scale flips the sign of every output, a zero or NaN one saturates them;
     on CPU one below float32's smallest normal, such as float8_e8m0fnu's
     2**-127, reads as 0, docs/numerics.md J1, and fails too);
-  * float zero points (``zero_point``, ``zero_points``, ``*_zero_point``): finite (a NaN float8 zero point makes every output
-    NaN); for an integer dtype (LSQ's learned zero point) also within the
+  * float zero points (``zero_point``, ``zero_points``, ``*_zero_point``):
+    finite (a NaN float8 zero point makes every output NaN); for an integer
+    dtype (LSQ's learned zero point) also within the
     dtype's range once rounded, where it would be clipped silently;
   * uint8 codes of a sub-byte dtype (``x`` of :func:`dequantize_linear` with
     ``packed_dtype`` alone and of :func:`pack` with ``dtype``, float6 zero
@@ -87,10 +88,10 @@ def checked(function: Callable[_P, _T]) -> Callable[_P, _T]:
     # NumPy float arrays (scales) as JAX arrays: checkify's vmap rule indexes a
     # NumPy check payload with a tracer, which fails (jax 0.10.2). Integer ones
     # stay NumPy for the ops' host checks (an int64 zero point is refused), and
-    # float6 ones are codes.
+    # so do ml_dtypes' (kind "V"), float6 codes among them.
     args, kwargs = jax.tree.map(
-        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) and a.dtype.kind == "f"
-        and _dtypes.host_codes("x", a)[1] is None else a, (args, kwargs))
+        lambda a: jnp.asarray(a) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a,
+        (args, kwargs))
     with _CHECKING(True):
       error, out = checkify.checkify(function)(*args, **kwargs)
     checkify.check_error(error)

@@ -151,12 +151,12 @@ def host_codes(argument: str, value: Any) -> tuple[Any, np.dtype | None]:
       return np.asarray(value).view(np.uint8), info.dtype
     return value, None
   info = _QUANTIZED_DTYPES.get(getattr(value, "dtype", None))
-  _validate.check(
-      info is None or not info.as_codes, argument,
-      "a NumPy float6 array or uint8 codes (XLA has no float6 type, so float6 values cross "
-      "a jit boundary as codes: docs/numerics.md, \"float6\")",
-      f"a JAX array of {info.name if info is not None else ''}", error=TypeError,
-  )
+  if info is not None and info.as_codes:
+    _validate.fail(
+        argument, "a NumPy float6 array or uint8 codes (XLA has no float6 type, so float6 "
+        "values cross a jit boundary as codes: docs/numerics.md, \"float6\")",
+        f"a JAX array of {info.name}", error=TypeError,
+    )
   return value, None
 
 

@@ -51,10 +51,11 @@ def _float32_to_odd(x: jax.Array) -> jax.Array:
   not x, the odd one is its neighbour on x's side.
   """
   nearest = x.astype(jnp.float32)
+  back = nearest.astype(x.dtype)
   bits = lax.bitcast_convert_type(nearest, jnp.uint32)
-  inexact = (nearest.astype(x.dtype) != x) & ~jnp.isnan(x) & (bits & 1 == 0)
+  inexact = (back != x) & ~jnp.isnan(x) & (bits & 1 == 0)
   # Magnitudes order like their bits: one step of the bits is one ulp of |x|.
-  step = jnp.where(jnp.abs(nearest.astype(x.dtype)) > jnp.abs(x), -1, 1).astype(jnp.int32)
+  step = jnp.where(jnp.abs(back) > jnp.abs(x), -1, 1).astype(jnp.int32)
   odd = lax.bitcast_convert_type(
       lax.bitcast_convert_type(bits, jnp.int32) + step, jnp.float32)
   return jnp.where(inexact, odd, nearest)

@@ -15,6 +15,7 @@ from jax.typing import DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant import _bind
 from jaxquant import _checked
 from jaxquant import _dtypes
 from jaxquant import _fake
@@ -286,9 +287,7 @@ def _check_rule(rule: QuantizationRule) -> None:
   for name in ("min_ndim", "stacked_dims"):
     value = _validate.static_int(f"rule.{name}", getattr(rule, name))
     _validate.check(value >= 0, f"rule.{name}", "a non-negative int", value)
-  methods = typing.get_args(_recipes.Method)
-  _validate.check(rule.method in methods, "rule.method",
-                  ", ".join(map(repr, methods[:-1])) + f" or {methods[-1]!r}", repr(rule.method))
+  _bind.choice(*typing.get_args(_recipes.Method))("rule.method", rule.method)
 
 
 def path_name(path: Sequence[Any]) -> str:

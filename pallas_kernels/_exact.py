@@ -99,7 +99,7 @@ def count_leading_zeros(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(count, x.dtype) if x.dtype != unsigned else count
 
 
-def _replacement(equation, *, divide: bool, rounding: bool, precision: bool):
+def _replacement(equation, *, divide: bool, rounding: bool):
   """The function replacing ``equation``'s primitive, or ``None`` to keep it.
 
   The replacement returns the equation's outputs as a list.
@@ -114,7 +114,7 @@ def _replacement(equation, *, divide: bool, rounding: bool, precision: bool):
       equation.params["rounding_method"] == lax.RoundingMethod.TO_NEAREST_EVEN
   ):
     return lambda x: [round_half_to_even(x)]
-  if precision and equation.primitive is lax.reduce_precision_p and float32 and (
+  if equation.primitive is lax.reduce_precision_p and float32 and (
       equation.params["exponent_bits"] == 8
   ):
     return lambda x: [round_mantissa(x, equation.params["mantissa_bits"])]
@@ -123,7 +123,7 @@ def _replacement(equation, *, divide: bool, rounding: bool, precision: bool):
   return None
 
 
-def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool, precision: bool):
+def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool):
   env = {}
 
   def read(v):
@@ -142,7 +142,7 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool, precision: boo
     if equation.outvars[0] in dead:
       continue
     inputs = [read(v) for v in equation.invars]
-    replacement = _replacement(equation, divide=divide, rounding=rounding, precision=precision)
+    replacement = _replacement(equation, divide=divide, rounding=rounding)
     # jnp functions that are jitted themselves (jnp.clip, jnp.round, ...), and
     # custom_vmap functions, which a kernel body never batches.
     inner = equation.params.get("jaxpr", equation.params.get("call"))
@@ -157,7 +157,7 @@ def _evaluate(jaxpr, consts, *args, divide: bool, rounding: bool, precision: boo
       outputs = replacement(*inputs)
     elif isinstance(inner, jax_core.ClosedJaxpr):
       outputs = _evaluate(inner.jaxpr, inner.consts, *inputs, divide=divide,
-                          rounding=rounding, precision=precision)
+                          rounding=rounding)
     else:
       outputs = equation.primitive.bind(*inputs, **equation.params)
       if not equation.primitive.multiple_results:
@@ -195,10 +195,13 @@ def _division_guard(jaxpr) -> tuple[set, set]:
 
 
 def exact(
-    formula: Callable[..., object], *, divide: bool = True, rounding: bool = True,
-    precision: bool = True,
+    formula: Callable[..., object], *, divide: bool = True, rounding: bool = True
 ) -> Callable[..., object]:
   """``formula`` as a kernel body: exact for Triton, without optimization barriers.
+
+  A float32 ``reduce_precision`` (bfloat16's precision, a float8's
+  significand) is always rounded by :func:`round_mantissa`: neither Triton
+  nor Mosaic lowers it.
 
   Args:
     formula: a function of arrays built from ``jnp``/``lax`` operations.
@@ -207,9 +210,6 @@ def exact(
     rounding: replace float32 and float64 round-half-to-even by
       :func:`round_half_to_even` and ``clz`` by :func:`count_leading_zeros`
       (Triton lowers neither; Mosaic does).
-    precision: replace float32 ``reduce_precision`` (bfloat16's precision, a
-      float8's significand) by :func:`round_mantissa`: neither Triton nor
-      Mosaic lowers it.
 
   Returns:
     A function with ``formula``'s signature and results.
@@ -220,7 +220,7 @@ def exact(
     closed, out_tree = jax.make_jaxpr(formula, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
     outputs = _evaluate(closed.jaxpr, closed.consts, *flat_args, divide=divide,
-                        rounding=rounding, precision=precision)
+                        rounding=rounding)
     return jax.tree.unflatten(jax.tree.structure(out_tree), outputs)
 
   return wrapped
