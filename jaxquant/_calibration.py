@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 import dataclasses
 import functools
+import typing
 from typing import Any, Literal
 
 import jax
@@ -218,7 +219,7 @@ def _check_observer_qparams(arguments: dict) -> None:
 
 @_bind.op(
     jit=True, dtype=_bind.dtype,
-    method=_bind.choice("minmax", "absmax", "qmax_plus_half", "percentile", "mse"),
+    method=_bind.choice(*typing.get_args(ObserverMethod)),
     percentile=_bind.finite_float, check=_check_observer_qparams,
 )
 def observer_qparams(

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import math
 import re
-import typing
 from typing import Any
 
 import jax
@@ -15,7 +14,6 @@ from jax.typing import DTypeLike
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant import _bind
 from jaxquant import _checked
 from jaxquant import _dtypes
 from jaxquant import _fake
@@ -287,7 +285,7 @@ def _check_rule(rule: QuantizationRule) -> None:
   for name in ("min_ndim", "stacked_dims"):
     value = _validate.static_int(f"rule.{name}", getattr(rule, name))
     _validate.check(value >= 0, f"rule.{name}", "a non-negative int", value)
-  _bind.choice(*typing.get_args(_recipes.Method))("rule.method", rule.method)
+  _recipes.METHOD("rule.method", rule.method)
 
 
 def path_name(path: Sequence[Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import typing
 from typing import Literal
 
 import jax
@@ -21,6 +22,7 @@ from jaxquant import _sharding
 from jaxquant import _validate
 
 Method = Literal["absmax", "qmax_plus_half", "minmax", "percentile", "mse"]
+METHOD = _bind.choice(*typing.get_args(Method))
 
 # Clip ratios the MSE search tries: 1 down to 0.2 in steps of 0.02.
 MSE_CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(41))
@@ -127,7 +129,7 @@ def _check(arguments: dict) -> None:
 
 @_bind.op(
     jit=True, dtype=_bind.dtype, axis=_bind.optional_integer, block_size=_bind.integer,
-    method=_bind.choice("absmax", "qmax_plus_half", "minmax", "percentile", "mse"),
+    method=METHOD,
     clip_ratio=_bind.finite_float, percentile=_bind.finite_float, check=_check,
 )
 def choose_qparams(
