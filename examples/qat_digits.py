@@ -4,7 +4,7 @@
 
 The model is three 3x3 valid convolutions of 8 channels each (8x8 -> 6x6 ->
 4x4 -> 2x2, ReLU) and a dense layer from the 32 features left to 10 classes:
-2,346 weights. It is trained in float32, then quantized three ways
+1,544 weights. It is trained in float32, then quantized three ways
 (``QUANTIZATIONS``), each both after training (PTQ: no training at all) and by
 fine-tuning the float model through fake quantization (QAT):
 

@@ -7,6 +7,7 @@ cell error fails the test.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -36,6 +37,15 @@ def test_committed_notebook_was_executed_top_to_bottom(path):
   images = [output for output in outputs if "image/png" in output.get("data", {})]
   if path.stem in PLOTTING:
     assert images, f"{path.name} has no saved plot"
+
+
+def test_notebook_04_shows_the_committed_benchmark_results():
+  # Notebook 04 plots benchmarks/results/cpu.json: re-execute it when the JSON is re-measured.
+  results = json.loads((NOTEBOOKS_DIR.parent / "benchmarks/results/cpu.json").read_text())
+  notebook = nbformat.read(NOTEBOOKS_DIR / "04_kernels_and_speed.ipynb", as_version=4)
+  printed = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                    for output in cell.outputs)
+  assert f"date {results['machine']['date']}," in printed
 
 
 @pytest.mark.slow
