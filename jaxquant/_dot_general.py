@@ -58,9 +58,15 @@ def _signed_integer(argument: str, dtype: Any):
 
 
 def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
-  """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``."""
+  """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``.
+
+  The scale is held constant for differentiation, so that the inference
+  drop-ins' derivative is zero everywhere, as ``round``'s is: otherwise it
+  would reach the largest-magnitude element of each row through ``max|x|``
+  and no other, a gradient that trains nothing.
+  """
   x = _dtypes.float_input("lhs or rhs", jnp.asarray(x))
-  scale = _symmetric_scale(x, reduced, info)
+  scale = _symmetric_scale(lax.stop_gradient(x), reduced, info)
   with _checked.unchecked():
     return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
@@ -183,8 +189,9 @@ def dot_general_dynamic_int8(
   :func:`quantized_dot_general`'s (``float32(acc) * (s_lhs * s_rhs)``).
   Symmetric, so that no zero-point correction is needed. For ``nnx.Linear(dot_general=...)``,
   linen's ``Dense(dot_general=...)``, ``nnx.Einsum`` through
-  :func:`replace_ops`, or direct calls. Not differentiable (the operands
-  are rounded to integers); train with :func:`dot_general_fake_quant`.
+  :func:`replace_ops`, or direct calls. The derivative for ``lhs`` and
+  ``rhs`` is zero, as ``round``'s (the scales are held constant); train
+  with :func:`dot_general_fake_quant`.
   ``lhs_dtype`` and ``rhs_dtype`` choose narrower symmetric integers
   (``q_max`` 7 for int4, 1 for int2): int4 activations are
   ``functools.partial(dot_general_dynamic_int8, lhs_dtype=jnp.int4)``, the
@@ -689,7 +696,8 @@ def conv_general_dilated_dynamic_int8(
   exact: 0 quantizes to 0) and the int32 result ``acc`` is scaled back in
   float32 as ``float32(acc) * (s_lhs * s_rhs)``, the two scales multiplied
   first (as :func:`dot_general_dynamic_int8`). For
-  ``nnx.Conv(conv_general_dilated=...)``. Not differentiable; train with
+  ``nnx.Conv(conv_general_dilated=...)``. The derivative for ``lhs`` and
+  ``rhs`` is zero (the scales are held constant); train with
   :func:`conv_general_dilated_fake_quant`.
 
   Args:

@@ -349,14 +349,32 @@ def _reduce_whole_windows(x, combine, windows):
 
   XLA's evaluator took about a second per million elements of a closed-over
   x to fold it while compiling; the windows take about a millisecond to run.
-  The derivative is that of the plain ``reduce_window_min``/``max``.
+  The derivative is that of ``jnp.min``/``jnp.max`` over each window: an
+  extreme that several elements of a window share passes each the same part
+  (JAX's own ``reduce_window_min``/``max`` derivative gives it all to one of
+  them), as the per-tensor and per-axis statistics do.
   """
   return _windows(x, combine, windows, identity=_numerics.unfolded)
 
 
 @_reduce_whole_windows.defjvp
 def _reduce_whole_windows_jvp(combine, windows, primals, tangents):
-  return jax.jvp(lambda x: _windows(x, combine, windows), primals, tangents)
+  (x,), (tangent,) = primals, tangents
+  extremes = _reduce_whole_windows(x, combine, windows)
+  expanded = extremes
+  for d, w in enumerate(windows):
+    if w > 1:  # each window's extreme repeated over the window (whole windows only)
+      expanded = jnp.expand_dims(expanded, d + 1)
+      expanded = jnp.broadcast_to(
+          expanded, expanded.shape[:d + 1] + (w,) + expanded.shape[d + 2:])
+      expanded = expanded.reshape(expanded.shape[:d] + (x.shape[d],) + expanded.shape[d + 2:])
+  at = x == expanded
+
+  def window_sum(values):
+    return lax.reduce_window(values, np.array(0, values.dtype), lax.add, windows, windows, "VALID")
+
+  count = window_sum(at.astype(tangent.dtype))
+  return extremes, window_sum(jnp.where(at, tangent, 0)) / jnp.maximum(count, 1)
 
 
 def _windows(x, combine, windows, *, identity=lambda value: value):

@@ -123,6 +123,51 @@ def test_dynamic_quantize_scale_derivative_splits_ties_evenly(axis):
     np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=implementation)
 
 
+@pytest.mark.parametrize("block_size", [8, 12, 64], ids=["whole", "ragged", "one-block"])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["minmax", "symmetric"])
+def test_dynamic_quantize_blocked_scale_derivative_splits_ties_evenly(block_size, symmetric):
+  """Per block too, an extreme that several elements of a block share passes each the
+  same part of ``d scale / dx`` (JAX's ``reduce_window_max`` derivative gave it all to
+  the first of them)."""
+  x = np.asarray(X).copy()
+  x[:, [1, 3, 5]] = np.arange(20, 26).reshape(-1, 1)  # three maxima in the first block ...
+  x[:, [9, 10]] = -np.arange(20, 26).reshape(-1, 1)  # ... and two minima in the second
+  x[:, [60, 63]] = np.arange(30, 36).reshape(-1, 1)  # two maxima in the (ragged) last one
+
+  def reference(x):
+    total = 0.0
+    for start in range(0, x.shape[1], block_size):
+      block = x[:, start:start + block_size]
+      if symmetric:
+        total += jnp.sum(jnp.max(jnp.abs(block), axis=1) / 127)
+      else:
+        low = jnp.minimum(jnp.min(block, axis=1), 0)
+        high = jnp.maximum(jnp.max(block, axis=1), 0)
+        total += jnp.sum((high - low) / 255)
+    return total
+
+  want = jax.grad(reference)(jnp.asarray(x))
+  for implementation in IMPLEMENTATIONS:
+    got = jax.grad(lambda x: jnp.sum(jq.dynamic_quantize_linear(
+        x, dtype=jnp.int8, axis=1, block_size=block_size, symmetric=symmetric,
+        implementation=implementation)[1]))(jnp.asarray(x))
+    np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=implementation)
+
+
+@pytest.mark.parametrize("name", [
+    "dot_general_dynamic_int8", "dot_general_static_int8", "conv_general_dilated_dynamic_int8",
+    "conv_general_dilated_static_int8"])
+def test_inference_drop_ins_have_a_zero_derivative(name):
+  """For x and the kernel, as ``round``'s: the run-time scales ``max|x| / 127`` are held
+  constant, so no derivative reaches the largest-magnitude element of a row or column (and no
+  other) through them."""
+  function, arrays = model_calls()[name]
+  arrays = [a.dequantize() if isinstance(a, jq.QuantizedArray) else a for a in arrays]
+  gradients = jax.grad(lambda *a: jnp.sum(function(*a) ** 2), argnums=(0, 1))(*arrays)
+  for gradient, of in zip(gradients, ("x", "kernel")):
+    assert not np.any(gradient), of
+
+
 def test_quantized_add_derivatives():
   def derivatives(implementation):
     def add(a_scale):
