@@ -39,9 +39,16 @@ _INT8 = _dtypes.quantized_dtype("dtype", jnp.int8)
 
 def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
   """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
+  return _compiled_symmetric_scale(x, tuple(reduced), info)
+
+
+# Compiled once per shape: called eagerly (a drop-in outside jit, a model run op by op), the
+# statistics' cond and variadic reduce, closures made anew each call, compiled on every call.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _compiled_symmetric_scale(x: jax.Array, reduced: tuple[int, ...], info) -> jax.Array:
   # Not keepdims (a kernel's reduction, NaN-aware in one pass): XLA:CPU then
   # reduces integer keys, with no |x| written out and no constant x folded.
-  (magnitude,) = _dynamic._max_magnitude(x, tuple(reduced))
+  (magnitude,) = _dynamic._max_magnitude(x, reduced)
   magnitude = jnp.expand_dims(magnitude, tuple(reduced))
   scale, _ = _dynamic._symmetric_parameters(magnitude, info=info)
   return scale
