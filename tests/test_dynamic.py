@@ -214,6 +214,18 @@ def test_onnx_documentation_example(implementation):
   assert_outputs_equal(run_reference(x), expected)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_zero_point_ties_round_half_to_even(implementation):
+  # hi - lo = 255 makes the scale exactly 1, so qmin - lo / scale = m + 1/2 is a
+  # tie: half to even (0, 2, 2, 128), not half up (1, 2, 3, 128).
+  for m, zero_point in [(0, 0), (1, 2), (2, 2), (127, 128)]:
+    x = np.array([-(m + 0.5), 254.5 - m, 3.0], np.float32)
+    expected = run_onnxruntime(x)
+    assert expected[2] == zero_point
+    assert_outputs_equal(jq.dynamic_quantize_linear(x, implementation=implementation), expected)
+    assert_outputs_equal(run_reference(x), expected)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @given_per_implementation(1.0, 0.1, shape=shapes(), kind=st.sampled_from(KINDS),

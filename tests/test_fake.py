@@ -275,6 +275,27 @@ def test_learnable_gradients_match_lsq(layout, dtype, narrow_range, grad_factor,
                              atol=tolerance * scale.max(initial=1))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=dtype_name)
+def test_learnable_parameter_gradients_of_half_precision_x_are_taken_in_float32(dtype):
+  # LSQ's (y - x) / scale inside the range reads y in float32, the forward's
+  # compute dtype, not y rounded to x's dtype (which would move each term by up
+  # to ulp(y) / (2 scale), ~0.1 here): the parameters get the gradients of the
+  # same values given in float32. One scale per element, so each gradient is one
+  # term; XLA may contract y - x into an FMA in one program and not the other,
+  # a difference of a few float32 ulps of y.
+  rng = np.random.default_rng(6)
+  x = (rng.standard_normal((4, 8)) * 0.6).astype(dtype)
+  scale, zero_point = jnp.full(x.shape, 0.0123, jnp.float32), jnp.full(x.shape, -2.3)
+
+  def grads(x):
+    loss = lambda scale, zero_point: jnp.sum(
+        jq.fake_quantize_learnable(x, scale, zero_point).astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))(scale, zero_point)
+
+  for got, want in zip(grads(x), grads(x.astype(jnp.float32))):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
+
+
 def test_learnable_without_zero_point_is_symmetric_lsq():
   x, scale, _, kwargs = _case("blocked-ragged")
   loss = lambda x, scale, zero_point: jnp.sum(jnp.sin(jq.fake_quantize_learnable(

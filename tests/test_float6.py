@@ -434,6 +434,18 @@ def test_dequantize_forms_agree(name, dtype, implementation):
 
 
 @pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
+def test_dequantize_ignores_code_bits_above_six(dtype):
+  # uint8 codes are read by their low 6 bits, as pack reads them: for x and the zero point.
+  rng = np.random.default_rng(7)
+  codes = rng.integers(0, 64, 40).astype(np.uint8)
+  high = codes | rng.choice(np.array([0x40, 0x80, 0xC0], np.uint8), codes.size)
+  expected = jq.dequantize_linear(codes, 0.5, np.uint8(9), packed_dtype=dtype)
+  assert_bits_equal(
+      jq.dequantize_linear(high, 0.5, np.uint8(9 | 0xC0), packed_dtype=dtype), expected)
+  np.testing.assert_array_equal(jq.pack(high, dtype=dtype), jq.pack(codes, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
 def test_dequantize_under_vmap(dtype):
   x = _random_codes(np.random.default_rng(4), (5, 12), dtype)
   scale = np.linspace(0.5, 2.0, 5).astype(np.float32)

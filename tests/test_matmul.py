@@ -112,6 +112,22 @@ def test_narrow_and_wide_operands(a_dtype, b_dtype):
       jq.matmul_integer(a, b, a_zero_point, b_zero_point), wrap_int32(exact))
 
 
+def test_uint16_operands_keep_their_values():
+  """uint16 values and zero points over the whole range (beyond int16's), against int64
+  arithmetic wrapped to int32 (each product and sum wraps alike)."""
+  rng = np.random.default_rng(12)
+  for a_dtype, b_dtype in [(np.uint16, np.int8), (np.int16, np.uint16), (np.uint16, np.uint16)]:
+    a = _integers(rng, a_dtype, (3, 40))
+    b = _integers(rng, b_dtype, (40, 5))
+    a_zero_point, b_zero_point = _integers(rng, a_dtype, ()), _integers(rng, b_dtype, (5,))
+    exact = (a.astype(np.int64) - a_zero_point.astype(np.int64)) @ (
+        b.astype(np.int64) - b_zero_point.astype(np.int64))
+    np.testing.assert_array_equal(
+        jq.matmul_integer(a, b, a_zero_point, b_zero_point), wrap_int32(exact))
+    np.testing.assert_array_equal(jq.matmul_integer(a, b), wrap_int32(
+        a.astype(np.int64) @ b.astype(np.int64)))
+
+
 @pytest.mark.parametrize("a_dtype, b_dtype", [(np.uint8, np.int8), (np.int8, np.int8),
                                               (np.uint8, np.uint8), (np.int8, np.uint8)])
 def test_extremes_wrap_as_int32(a_dtype, b_dtype):
@@ -688,6 +704,18 @@ def test_matmul_nbits_weight_is_onnxruntimes(bits, k, block_size, zero_points):
                                     block_size=block_size), expected)
 
 
+@pytest.mark.parametrize("bits, k, block_size", [(4, 48, 16), (2, 70, 32), (8, 21, 16)])
+def test_matmul_nbits_float_zero_points_weight_is_the_spec(bits, k, block_size):
+  """A one-hot a reads the weight out: with float zero points ``(q - z) * s``, each
+  operation rounded once, bit for bit (onnxruntime's ``q * s - z * s`` is deviation M4)."""
+  rng = np.random.default_rng(bits * 10 + k)
+  n = 5
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, "float")
+  weight = spec_nbits_weight(b, scales, zero_points, k=k, n=n, bits=bits, block_size=block_size)
+  assert_bits_equal(jq.matmul_nbits(np.eye(k, dtype=np.float32), b, scales, zero_points, K=k,
+                                    N=n, bits=bits, block_size=block_size), weight.T)
+
+
 @pytest.mark.parametrize("m, k, n, block_size", [
     (5, 96, 16, 32), pytest.param(1, 1024, 1024, 32, marks=pytest.mark.slow),
 ])
@@ -760,6 +788,20 @@ def test_matmul_nbits_bias_is_added_to_the_rounded_product():
   assert_bits_equal(call(a, bias), expected)
   assert_bits_equal(jax.jit(call)(a, bias), expected)
   assert_bits_equal(jax.jit(lambda a: call(a, bias))(a), expected)
+
+
+def test_matmul_nbits_bias_sum_of_zeros_takes_ieee_sign():
+  """A zero product plus a zero bias is -0 only when both are -0, as IEEE addition gives:
+  each sign of product beside each sign of bias."""
+  b = np.array([200, 200, 50, 50], np.uint8)[:, None, None] * np.ones((1, 1, 16), np.uint8)
+  scales = np.ones((4, 1), np.float32)  # weights 72, 72, -78, -78
+  a = np.zeros((3, 1), np.float32)
+  a[1] = -0.0
+  bias = np.array([0.0, -0.0, 0.0, -0.0], np.float32)
+  call = lambda bias: jq.matmul_nbits(a, b, scales, None, bias, K=1, N=4, bits=8, block_size=16)
+  product = np.asarray(call(None))
+  assert_bits_equal(call(bias), product + bias)
+  assert_bits_equal(jax.jit(call)(bias), product + bias)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

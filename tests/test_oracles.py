@@ -493,6 +493,24 @@ def test_dequantize_rounds_once_to_the_output_dtype(out, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("out", [F16, BF16], ids=dtype_name)
+def test_dequantize_float32_scale_into_a_narrower_output_rounds_once(out, implementation):
+  # output_dtype narrower than the float32 scale: the product is formed in float32
+  # and rounded once, as both oracles do; the scale is not rounded to the output first.
+  rng = np.random.default_rng(5)
+  x = rng.integers(-128, 128, 2000).astype(np.int8)
+  scale, zero_point = np.array(0.0123, np.float32), np.array(3, np.int8)
+  once = ((x.astype(np.float32) - np.float32(zero_point)) * scale).astype(out)
+  inputs = {"x": x, "scale": scale, "zero_point": zero_point}
+  for oracle in ORACLES if out == F16 else [REFERENCE]:  # onnxruntime: no bfloat16
+    np.testing.assert_array_equal(
+        bits(_run(oracle, "DequantizeLinear", inputs, out,
+                  output_dtype=onnx.helper.np_dtype_to_tensor_dtype(out))), bits(once))
+  y = jq.dequantize_linear(x, scale, zero_point, output_dtype=out, implementation=implementation)
+  np.testing.assert_array_equal(bits(y), bits(once))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("scale_shape, zero_point_shape", [((), (1,)), ((1,), ())])
 def test_per_tensor_scale_and_zero_point_of_different_ranks(scale_shape, zero_point_shape,
                                                            implementation):

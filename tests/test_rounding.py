@@ -178,3 +178,32 @@ def test_float64_x_rounds_once_to_a_half_precision_under_x64(dtype):
     assert jq.quantize_linear(x, np.float16(1), jnp.int16(0)).tolist() == [2050, 257]
     assert jq.quantize_linear(x, ml_dtypes.bfloat16(1), jnp.int16(0)).tolist() == [2048, 258]
     assert jq.fake_quantize(x, np.float16(1), dtype=jnp.int16).tolist() == [2050, 257]
+
+
+def test_32bit_outputs_match_the_reference():
+  """int32 and uint32 go their own way (the sum formed from 16-bit halves): the same rules.
+
+  Quotients near 0, near each 2**16 boundary that the halves carry across, near
+  the range's ends less the zero point and beyond them, plus specials (NaN ->
+  min) and random bits, for zero points at both ends and in between.
+  """
+  rng = np.random.default_rng(4)
+  for dtype_name, zero_point in [("int32", 0), ("int32", -2**31), ("int32", 2**31 - 1),
+                                 ("int32", 70000), ("uint32", 0), ("uint32", 2**32 - 1),
+                                 ("uint32", 3_000_000_000)]:
+    info = _dtypes.quantized_dtype("dtype", np.dtype(dtype_name))
+    centers = {0, 2**16, -2**16, 2**17, info.min - zero_point, info.max - zero_point}
+    quotients = np.concatenate([
+        *(near_integers_and_ties(c - 3, c + 3, _ULPS, np.float32) for c in sorted(centers)),
+        specials(np.float32),
+        rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        rng.uniform(-1e5, 1e5, 1 << 16).astype(np.float32),
+        rng.uniform(-2.0**33, 2.0**33, 1 << 16).astype(np.float32),
+    ])
+    want = reference(quotients, zero_point, np.dtype(dtype_name))
+    got = jax.jit(lambda q, z, info=info: _numerics.round_and_saturate(q, z, info))(
+        jnp.asarray(quotients), jnp.asarray(np.array(zero_point, dtype_name)))
+    assert got.dtype == info.dtype
+    mismatch = np.flatnonzero(np.asarray(got).astype(np.int64) != want)
+    assert mismatch.size == 0, (dtype_name, zero_point, quotients[mismatch[:8]],
+                                np.asarray(got)[mismatch[:8]], want[mismatch[:8]])
