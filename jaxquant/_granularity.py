@@ -361,17 +361,23 @@ def _reduce_whole_windows(x, combine, windows):
 def _reduce_whole_windows_jvp(combine, windows, primals, tangents):
   (x,), (tangent,) = primals, tangents
   extremes = _reduce_whole_windows(x, combine, windows)
-  expanded = extremes
-  for d, w in enumerate(windows):
-    if w > 1:  # each window's extreme repeated over the window (whole windows only)
-      expanded = jnp.expand_dims(expanded, d + 1)
-      expanded = jnp.broadcast_to(
-          expanded, expanded.shape[:d + 1] + (w,) + expanded.shape[d + 2:])
-      expanded = expanded.reshape(expanded.shape[:d] + (x.shape[d],) + expanded.shape[d + 2:])
+  split = tuple(d for d, size in enumerate(windows) if size > 1)
+  shape = sum(((n // windows[d], windows[d]) if d in split else (n,)
+               for d, n in enumerate(x.shape)), ())
+  within = tuple(d + 1 + split.index(d) for d in split)
+  # Each window's extreme broadcast over its elements, compared with x where it lies.
+  expanded = jnp.broadcast_to(jnp.expand_dims(extremes, within), shape).reshape(x.shape)
   at = x == expanded
 
   def window_sum(values):
-    return lax.reduce_window(values, np.array(0, values.dtype), lax.add, windows, windows, "VALID")
+    if _sharding.split_dims(x):
+      # An explicit mesh, whose shards hold whole windows here (reduce_windows): sums
+      # over each window as a dim of its own, transposed to broadcasts, where
+      # reduce_window's transpose pads the split dim, which the mesh refuses.
+      return jnp.sum(values.reshape(shape), axis=within)
+    # In place: where shards cut windows, automatic sharding exchanges halos.
+    return lax.reduce_window(values, np.array(0, values.dtype), lax.add, windows, windows,
+                             "VALID")
 
   count = window_sum(at.astype(tangent.dtype))
   return extremes, window_sum(jnp.where(at, tangent, 0)) / jnp.maximum(count, 1)

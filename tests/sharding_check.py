@@ -805,6 +805,27 @@ def choose_qparams_cases():
                compiled, NamedSharding(mesh, out_spec), x.size // mesh.size)
 
 
+def statistics_gradient_cases():
+  """d/dx of blocked dynamic statistics (the scale of ``dynamic_quantize_linear``), on
+  automatic and explicit 1-D meshes, blocks whole in each shard and cut by shard edges, with
+  a maximum shared by several elements of a block: each gets an equal part, as on one
+  device (a JVP of windowed reductions)."""
+  for shard_name, (columns, block_size) in BLOCKED.items():
+    x = np.random.default_rng(13).standard_normal((ROWS, columns)).astype(np.float32)
+    x[:, 0:3] = x[:, 5:8] = 9.0  # tied maxima in the first block, some across its shard
+    f = jax.jit(jax.grad(lambda x, block_size=block_size: jnp.sum(
+        jq.dynamic_quantize_linear(x, axis=1, block_size=block_size)[1])))
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+      mesh = make_mesh("1d", axis_type)
+      sharding = NamedSharding(mesh, P(None, "c"))
+      xs = jax.device_put(x, sharding)
+      with jax.set_mesh(mesh):
+        got, compiled = f(xs), f.lower(xs).compile().as_text()
+      report(f"gradient {axis_type.name.lower()} 1d dynamic_quantize_linear blocked {shard_name}",
+             got, one_device(f"gradient {shard_name}", f, x), compiled, sharding,
+             x.size // mesh.size)
+
+
 def checked_cases():
   """``checked`` of a jitted per-column quantize, x and its parameters split along the
   columns: good values give one device's bits with x's split and move nothing; a bad
@@ -920,6 +941,7 @@ if __name__ == "__main__":
   explicit_mesh_packing_cases()
   explicit_mesh_layer_cases()
   choose_qparams_cases()
+  statistics_gradient_cases()
   checked_cases()
   calibration_cases()
   served_model_cases()

@@ -190,6 +190,23 @@ def test_blocks_cut_by_shards_exchange_halos_not_gathers(cases):
 
 
 @pytest.mark.slow
+def test_blocked_statistics_gradients_split_ties_across_shards(cases):
+  """d/dx of blocked dynamic scales, ties split evenly, equals one device's on automatic and
+  explicit meshes, x's sharding kept: nothing moves where shards hold whole blocks, halos
+  where they cut blocks, and x gathered only where an explicit mesh's shards hold 1.5 blocks,
+  as for the statistics themselves (before: a ShardingTypeError on explicit meshes, from
+  reduce_window's transpose padding the split dim)."""
+  gradients = {name: case for name, case in cases.items() if name.startswith("gradient")}
+  assert len(gradients) == 6, gradients
+  assert all(case["equal"] and case["sharding"] for case in gradients.values()), gradients
+  assert {name: [c for c in case["collectives"] if not c.startswith("collective-permute")]
+          for name, case in gradients.items()} == {
+              name: ["all-gather f32[8,192]"] if "explicit" in name and "straddling" in name
+              else [] for name in gradients}
+  assert all(not case["collectives"] for name, case in gradients.items() if "aligned" in name)
+
+
+@pytest.mark.slow
 def test_shards_of_one_row_read_their_blocks_parameters(cases):
   """Blocks of rows cut by one-row shards: one device's bits, x never gathered.
 
