@@ -123,7 +123,8 @@ def export_onnx(
       (with ``activations="float"``).
     input_zero_point: its int8 zero point (``None``: 0).
     opset: the ONNX opset (25 reads int2; DequantizeLinear's blocks and
-      QuantizeLinear's ``output_dtype`` need 21).
+      QuantizeLinear's ``output_dtype`` need 21), at most the newest the
+      installed onnx knows; the model gets the IR version that goes with it.
 
   Returns:
     An ``onnx.ModelProto`` with float32 input ``x`` (``(batch, in)``) and output ``y``.
@@ -172,6 +173,9 @@ def export_onnx(
   minimum = 25 if info.bits == 2 else 23 if info.bits == 4 and not info.is_integer else 21
   opset = _validate.static_int("opset", opset)
   _validate.check(opset >= minimum, "opset", f"at least {minimum} (for {info.name})", opset)
+  newest = onnx.defs.onnx_opset_version()
+  _validate.check(opset <= newest, "opset", f"at most {newest} (the newest onnx "
+                  f"{onnx.__version__} knows)", opset)
   n_in, n_out = weight.shape
   for argument, value, size in (("input_scale", input_scale, 1),
                                 ("input_zero_point", input_zero_point, 1), ("bias", bias, n_out)):
@@ -248,5 +252,6 @@ def export_onnx(
       initializer=initializers,
   )
   model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-  model.ir_version = 11
+  # The IR version that goes with the opset (13 for 25: int2 and uint2 tensors came with it).
+  model.ir_version = helper.find_min_ir_version_for(model.opset_import)
   return model

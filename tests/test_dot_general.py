@@ -464,6 +464,34 @@ def test_export_keeps_the_axis_of_a_single_block(shape, rule):
   np.testing.assert_array_equal(w, weight.dequantize())
 
 
+@pytest.mark.parametrize("rule, minimum", [
+    (jq.QuantizationRule(dtype=jnp.float4_e2m1fn, axis=-2, block_size=32), 23),
+    (jq.QuantizationRule(dtype=jnp.int2, axis=0, block_size=16), 25),
+], ids=["float4", "int2"])
+def test_export_needs_the_opset_that_reads_the_dtype(rule, minimum):
+  """float4_e2m1fn came in opset 23, int2 in 25: below, an error (onnx's checker refuses
+  the graph); from there, onnx.reference dequantizes the stored weight bit for bit
+  (onnxruntime has no float4 DequantizeLinear kernel)."""
+  weight = jq.quantize_params(W, rule)
+  with pytest.raises(ValueError, match=f"opset must be at least {minimum}"):
+    jq.export_onnx(weight, opset=minimum - 2)
+  model = jq.export_onnx(weight, opset=minimum)
+  onnx.checker.check_model(model, full_check=True)
+  model.graph.output.append(onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None))
+  from onnx.reference import ReferenceEvaluator  # pylint: disable=import-outside-toplevel
+  _, w = ReferenceEvaluator(model).run(None, {"x": X})
+  np.testing.assert_array_equal(w, weight.dequantize())
+
+
+@pytest.mark.parametrize("opset", [21, 23, 25])
+def test_export_writes_the_opsets_ir_version(opset):
+  """The IR version that goes with the opset, as onnx's helper tables it (int2 initializers
+  need IR 13, which opset 25 brings; 11 was written for every opset)."""
+  model = jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule()), opset=opset)
+  assert model.ir_version == onnx.helper.find_min_ir_version_for(model.opset_import)
+  onnx.checker.check_model(model, full_check=True)
+
+
 def test_export_reads_the_row_layout_of_a_sharded_weight():
   flat = jq.quantize_params(W[:, :7], jq.QuantizationRule(dtype=jnp.int4))  # odd rows: padded
   codes = jq.unpack(flat.values, flat.shape, flat.dtype)
@@ -480,6 +508,19 @@ def test_export_dynamic_int8_bit_for_bit_in_onnxruntime(axis, optimize):
   model = jq.export_onnx(weight, BIAS, activations="dynamic_int8")
   onnx.checker.check_model(model)
   (y,) = _run_onnxruntime(model, EDGE_X, optimize=optimize)
+  np.testing.assert_array_equal(y, jq.dot_general_dynamic_int8(EDGE_X, weight, DENSE) + BIAS)
+
+
+# The reference casts a NaN quotient to int32 (R1), then the graph's Where drops it.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("axis", [None, -1])
+def test_export_dynamic_int8_bit_for_bit_in_onnx_reference(axis):
+  """The ONNX reference too: its ReduceMax propagates NaN (onnxruntime's skips it), so the
+  graph's own Where keeps a NaN out of its row's scale."""
+  from onnx.reference import ReferenceEvaluator  # pylint: disable=import-outside-toplevel
+  weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis))
+  model = jq.export_onnx(weight, BIAS, activations="dynamic_int8")
+  (y,) = ReferenceEvaluator(model).run(None, {"x": EDGE_X})
   np.testing.assert_array_equal(y, jq.dot_general_dynamic_int8(EDGE_X, weight, DENSE) + BIAS)
 
 
@@ -533,11 +574,20 @@ def test_export_errors():
   with pytest.raises(ValueError, match="dynamic int8"):
     jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(dtype=jnp.int4)),
                    activations="dynamic_int8")
+  # One scale per input row (axis 0): the integer graphs scale output columns only.
+  with pytest.raises(ValueError, match="per output column"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(axis=0)),
+                   activations="dynamic_int8")
+  with pytest.raises(ValueError, match="per output column"):
+    jq.export_onnx(jq.quantize_params(W, jq.QuantizationRule(axis=0)), input_scale=1.0)
   # Before: written wrapped into the graph (uint8 200 as -56), or dropped silently.
   with pytest.raises(TypeError, match="input_zero_point.dtype must be int8"):
     jq.export_onnx(int8, input_scale=1.0, input_zero_point=np.uint8(200))
   with pytest.raises(ValueError, match="input_zero_point must be None without input_scale"):
     jq.export_onnx(int8, input_zero_point=-5)
+  # An opset the installed onnx does not know has no IR version to write.
+  with pytest.raises(ValueError, match=f"opset must be at most {onnx.defs.onnx_opset_version()}"):
+    jq.export_onnx(int8, opset=onnx.defs.onnx_opset_version() + 1)
   with pytest.raises(ValueError, match="bias.shape"):
     jq.export_onnx(int8, np.ones(W.shape[1] + 1, np.float32))
   with pytest.raises(ValueError, match="opset must be at least 21"):
