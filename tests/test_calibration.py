@@ -127,6 +127,63 @@ def test_qparams_methods():
   np.testing.assert_array_equal(scale, magnitude / np.float32(448))
 
 
+def test_one_batch_s_histogram_is_numpy_s():
+  """Equal bins of |x| over [0, max |x|], the largest value in the last."""
+  state = _observed(BATCHES[:1], bins=64)
+  magnitude = np.abs(BATCHES[0])
+  assert state.histogram_range == magnitude.max()
+  np.testing.assert_array_equal(
+      state.histogram, np.histogram(magnitude, 64, (0, float(magnitude.max())))[0])
+
+
+@pytest.mark.parametrize("percentile, edge", [(25.0, 1), (50.0, 2), (60.0, 3), (100.0, 4)])
+def test_histogram_percentile_is_the_upper_edge_of_the_bin_reaching_it(percentile, edge):
+  """One value in each of 4 bins of width 3.5 / 4: the p-th percentile is the upper edge
+  of the first bin whose cumulative count reaches p% of the values."""
+  state = jq.observe(jq.init_observer(bins=4), jnp.array([0.5, -1.5, 2.5, -3.5]))
+  np.testing.assert_array_equal(state.histogram, np.ones(4, np.float32))
+  scale, _ = jq.observer_qparams(state, jnp.int8, method="percentile", percentile=percentile)
+  np.testing.assert_allclose(float(scale) * 127, edge * 3.5 / 4, rtol=1e-6)
+
+
+def test_histogram_mse_picks_the_clip_of_least_expected_error():
+  """Among the clip ratios of choose_qparams times the range, the clip whose expected
+  squared error over the bins is least: a bin's centre above the clip costs its distance
+  to it squared, one below the rounding error of a uniform value, step**2 / 12."""
+  state = _observed(BATCHES, bins=16)  # coarse bins: their centres matter
+  histogram = np.asarray(state.histogram, np.float64)
+  width = float(state.histogram_range) / 16
+  centres = (np.arange(16) + 0.5) * width
+  for dtype in (jnp.int2, jnp.int4, jnp.int8):
+    qmax = jnp.iinfo(dtype).max
+    clips = [(1 - 0.02 * i) * float(state.histogram_range) for i in range(41)]
+    errors = [np.sum(histogram * np.where(centres > clip, (centres - clip) ** 2,
+                                          (clip / qmax) ** 2 / 12)) for clip in clips]
+    scale, _ = jq.observer_qparams(state, dtype, method="mse")
+    np.testing.assert_allclose(float(scale), clips[int(np.argmin(errors))] / qmax, rtol=1e-6)
+
+
+def test_histogram_mse_keeps_the_largest_clip_of_equal_errors():
+  """Magnitudes so small that every squared error underflows to 0: every clip ties, and
+  the first, the largest |x|, is kept (absmax's scale, not a fifth of it)."""
+  state = jq.observe(jq.init_observer(), jnp.array([1e-25, -3e-25, 2e-25], jnp.float32))
+  mse, _ = jq.observer_qparams(state, jnp.int8, method="mse")
+  absmax, _ = jq.observer_qparams(state, jnp.int8, method="absmax")
+  assert mse == absmax == np.float32(3e-25) / np.float32(127)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.5])
+def test_a_batch_of_one_value_is_a_range(momentum):
+  """A batch whose min equals its max holds values: it is observed, not skipped as empty."""
+  state = _observed([np.full((2, 3), 3.0, np.float32)], momentum=momentum)
+  assert state.low == state.high == 3
+  scale, zero_point = jq.observer_qparams(state, jnp.uint8)
+  _, expected_scale, expected_zero_point = jq.dynamic_quantize_linear(np.float32([3.0]))
+  assert scale == expected_scale and zero_point == expected_zero_point
+  state = jq.observe(state, np.full((2, 3), 5.0, np.float32))
+  assert state.high == (4 if momentum else 5) and state.low == (4 if momentum else 3)
+
+
 def test_empty_observer_gives_scale_one():
   for method in ("minmax", "absmax", "percentile", "mse"):
     scale, _ = jq.observer_qparams(jq.init_observer(), jnp.int8, method=method)
@@ -224,6 +281,21 @@ def test_calibrate_observes_every_layer_input_and_restores_the_model():
   assert jq.replace_ops(model, **ops) == ["conv", "blocks/0", "blocks/1"]
   quantized = model(batches[0])
   assert np.abs(quantized - reference).max() <= 0.05 * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("options", [
+    dict(method="percentile", percentile=50.0), dict(method="mse", bins=64),
+    dict(method="absmax", momentum=0.5)])
+def test_calibrate_s_options_reach_the_observers_and_their_qparams(options):
+  """Each option of calibrate is the observer's or observer_qparams' own."""
+  model = _Dense(jax.random.normal(jax.random.key(2), (16, 8)))
+  ops = jq.calibrate(model, BATCHES, **options)
+  state = _observed(BATCHES, momentum=options.get("momentum"), bins=options.get("bins", 1024))
+  scale, zero_point = jq.observer_qparams(state, jnp.int8, method=options["method"],
+                                          percentile=options.get("percentile", 99.99))
+  keywords = ops["dot_general"][""].keywords
+  np.testing.assert_array_equal(keywords["input_scale"], scale)
+  np.testing.assert_array_equal(keywords["input_zero_point"], zero_point)
 
 
 def test_calibrate_restores_the_model_when_a_batch_fails():

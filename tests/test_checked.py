@@ -212,6 +212,12 @@ GOOD_CASES = [
     (lambda packed: jq.dequantize_linear(packed, 1.0, packed_shape=(3,)),
      (jnp.array([255, 255], jnp.uint8),)),
     (lambda codes: jq.pack(codes, dtype=jnp.uint4), (jnp.array([0, 15, 7], jnp.uint8),)),
+    # Packed bytes hold two codes each: a byte above 15 is no code of its own.
+    (lambda packed: jq.dequantize_linear(packed, 1.0, packed_shape=(3,), packed_dtype=jnp.uint4),
+     (jnp.array([255, 255], jnp.uint8),)),
+    # -128.4 rounds to -128, int8's minimum: within.
+    (lambda x: jq.fake_quantize_learnable(x, jnp.float32(0.1), jnp.float32(-128.4)),
+     (jnp.array([np.nan, 3.0]),)),
     (lambda x: jq.fake_quantize_learnable(x, jnp.float32(0.1), jnp.float32(127.4)),
      (jnp.array([np.nan, 3.0]),)),
     (lambda x: jq.fake_quantize_dynamic(x), (jnp.array([np.nan, 0.0, 1.0]),)),

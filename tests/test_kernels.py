@@ -317,6 +317,19 @@ def test_default_implementation_runs_kernels_only_where_measured_faster():
   assert "__gpu$xla.gpu.triton" not in text
 
 
+def test_xla_implementation_runs_no_kernel_even_where_one_is_listed():
+  """implementation="xla" is XLA on every platform, also for CUDA's blocked int4
+  dequantization, which PALLAS_FASTER lists for implementation=None."""
+  x = jnp.zeros((8, 128), jnp.int8)
+  assert not _uses_pallas(functools.partial(jq.dequantize_linear, implementation="xla"), x, 1.0)
+  blocked_int4 = jax.jit(lambda x, s: jq.dequantize_linear(
+      x, s, axis=1, block_size=32, packed_shape=(8, 128), output_dtype=jnp.bfloat16,
+      implementation="xla"))
+  text = blocked_int4.trace(jnp.zeros((8, 64), jnp.uint8), jnp.ones((8, 4), jnp.bfloat16)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" not in text
+
+
 def test_default_implementation_follows_the_routes_dtype_and_layout(monkeypatch):
   # An entry may name the quantized dtype and the layout it was measured on.
   monkeypatch.setattr(_dispatch, "PALLAS_FASTER", {"cpu": frozenset({

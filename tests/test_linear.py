@@ -434,3 +434,11 @@ class TransformationsTest(chex.TestCase):
     for seed in range(3):
       jq.quantize_linear(*_case("per-axis", seed)[:3], axis=1)
     assert _linear._quantize_linear._cache_size() <= before + 1
+
+
+def test_numpy_bools_are_static_flags():
+  """A flag read from a NumPy array or config (np.bool_) is a bool, as Python's."""
+  x = jnp.array([1e9, -1.0])
+  assert_bits_equal(
+      jq.quantize_linear(x, 1.0, output_dtype=jnp.float8_e4m3fn, saturate=np.bool_(False)),
+      jq.quantize_linear(x, 1.0, output_dtype=jnp.float8_e4m3fn, saturate=False))

@@ -31,6 +31,7 @@ LAYOUTS = [
     jq.QuantizationRule(dtype=jnp.float8_e4m3fn),
     jq.QuantizationRule(dtype=jnp.float4_e2m1fn, axis=-2, block_size=32),
     jq.QuantizationRule(dtype=jnp.float6_e2m3fn, axis=-2, block_size=32),
+    jq.QuantizationRule(dtype=jnp.float6_e2m3fn, axis=-2, block_size=32, packed=False),  # codes
 ]
 
 
@@ -123,6 +124,17 @@ def test_any_pytree_dequantizes_to_the_formula_and_keeps_other_leaves(dtype, lea
                                     dtype, axis, block_size)
       assert_bits_equal(leaf, expected, jq._params.path_name(path))
   assert sum(map(_is_quantized, jax.tree.leaves(quantized, is_leaf=_is_quantized))) == 6
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.float8_e4m3fn, jnp.float4_e2m1fn])
+def test_leaves_already_quantized_are_returned_unchanged(dtype):
+  """A second quantize_params (deploying a model some of whose layers are stored) keeps the
+  stored leaves, also those of a float dtype, which a float rule would otherwise match."""
+  rule = jq.QuantizationRule(dtype=dtype)
+  quantized = jq.quantize_params(PARAMS, rule)
+  again = jq.quantize_params(quantized, rule)
+  for first, second in zip(_leaves(quantized), _leaves(again)):
+    assert first is second
 
 
 def test_path_names_cover_dicts_lists_and_attributes():
@@ -234,6 +246,21 @@ def test_orbax_round_trip_bit_identical(tmp_path):
   for before, after in zip(jax.tree.leaves(jq.dequantize_params(quantized)),
                            jax.tree.leaves(jq.dequantize_params(loaded))):
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.int2])
+def test_a_one_row_packed_weight_is_one_layer(dtype):
+  """A (1, n) kernel (one input feature) packs in rows of whole bytes, (1, n * bits / 8),
+  which the flat layout also fits after one leading dim: the fewer stack dims are read."""
+  w = PARAMS["encoder"]["kernel"][:1]
+  quantized = jq.quantize_params(w, jq.QuantizationRule(dtype=dtype))
+  assert quantized.values.shape == (1, 16 * jq._dtypes.quantized_dtype("", dtype).bits // 8)
+  assert jq._params.stacked_dims(quantized) == 0
+  q = jq.quantize_linear(w, quantized.scale, axis=1, output_dtype=dtype)
+  np.testing.assert_array_equal(quantized.dequantize(),
+                                jq.dequantize_linear(q, quantized.scale, axis=1))
+  model = jq.export_onnx(quantized)  # one layer's weight
+  assert [node.op_type for node in model.graph.node] == ["DequantizeLinear", "MatMul"]
 
 
 def test_nbytes_counts_packed_storage():
@@ -353,6 +380,8 @@ def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
     (jq.QuantizationRule(min_ndim=-1), False, ValueError, r"rule\.min_ndim must be"),
     (jq.QuantizationRule(pattern="("), False, ValueError,
      r"^quantize_params: rule\.pattern must be a regular expression, got '\(' \(missing \)"),
+    (jq.QuantizationRule(pattern=None), False, TypeError,
+     r"^quantize_params: rule\.pattern must be a regular expression, got None"),
     (jq.QuantizationRule(method="max"), False, ValueError,
      r"^quantize_params: rule\.method must be 'absmax', .*, got 'max'\.$"),
 ])
@@ -414,6 +443,15 @@ def test_a_learnable_stack_trains_and_deploys_each_layer_alone(rule):
   sliced = jax.tree.map(lambda x: x[0], jq.quantize_params(stack, one_layer, learnable=True))
   with pytest.raises(ValueError, match="stacked_dims"):
     sliced.dequantize()
+
+
+def test_a_learnable_stack_with_one_layer_s_scale_is_refused():
+  """The scale must share the weight's stack dims: one layer's scale with a stack of 4."""
+  learnable = jq.quantize_params(jax.random.normal(KEY, (4, 16, 8)),
+                                 jq.QuantizationRule(stacked_dims=1), learnable=True)
+  one_scale = dataclasses.replace(learnable, scale=learnable.scale[0])
+  with pytest.raises(ValueError, match="stacked_dims"):
+    one_scale.dequantize()
 
 
 def test_arrays_sliced_under_a_static_layout_are_refused():

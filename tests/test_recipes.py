@@ -119,6 +119,103 @@ def test_nan_ignored_zero_and_empty_blocks_get_scale_one():
   np.testing.assert_array_equal(scale, np.ones(3, np.float32))
 
 
+# The documented MSE search: clip ratios 1, 0.98, ..., 0.2 (41 of them), the first
+# (largest) of equal errors chosen.
+DOCUMENTED_RATIOS = [np.float32(1 - 0.02 * i) for i in range(41)]
+
+
+def _param_blocks(x, axis, block_size):
+  """x's elements per scale, in the scales' layout: a dict index -> 1-D block, and the shape."""
+  if not block_size:
+    return {(i,): np.take(x, i, axis).ravel() for i in range(x.shape[axis])}, (x.shape[axis],)
+  moved = np.moveaxis(x, axis, -1)
+  shape = moved.shape[:-1] + (-(-moved.shape[-1] // block_size),)
+  blocks = {}
+  for index in np.ndindex(shape):
+    start = index[-1] * block_size
+    blocks[index] = moved[index[:-1]][start:start + block_size]
+  return blocks, shape
+
+
+def _reference_scales(x, dtype, axis, block_size, method, clip_ratio=1.0, percentile=99.99):
+  """choose_qparams' scale as its docstring states it, block by block in NumPy (NaNs ignored)."""
+  qmax = np.float32(ml_dtypes.iinfo(dtype).max)
+  qmin = np.float32(ml_dtypes.iinfo(dtype).min)
+  blocks, shape = _param_blocks(x, axis, block_size)
+  scales = np.empty(shape, np.float32)
+  for index, block in blocks.items():
+    values = block[~np.isnan(block)]
+    if method == "percentile":
+      magnitude = np.float32(np.percentile(np.abs(values), percentile)) if values.size else 0
+      scales[index] = magnitude / qmax if magnitude else 1
+      continue
+    magnitude = np.abs(values).max(initial=0) * np.float32(clip_ratio)
+    errors, candidates = [], []
+    for ratio in DOCUMENTED_RATIOS:
+      clip = np.float32(magnitude * ratio)
+      scale = clip / qmax if clip else np.float32(1)
+      # fake_quantize from docs/numerics.md: true division, ties to even, saturation.
+      y = np.clip(np.round(values / scale), qmin, qmax) * scale
+      errors.append(np.sum((y - values) ** 2))
+      candidates.append(scale)
+    scales[index] = candidates[int(np.argmin(errors))]  # the first of equal errors
+  return scales if not block_size else np.moveaxis(scales, -1, axis)
+
+
+# A NaN, an outlier (the search clips it), a ragged last block along both axes.
+X_EDGES = W.copy()
+X_EDGES[1, 5] = np.nan
+X_EDGES[2, 40] *= 8
+
+
+@pytest.mark.parametrize("dtype, axis, block_size, method, options", [
+    (jnp.int4, 1, 32, "mse", {}),
+    (jnp.int4, 1, 32, "mse", dict(clip_ratio=0.9)),
+    (jnp.int2, 0, 4, "mse", {}),
+    (jnp.int4, 1, 0, "mse", {}),
+    (jnp.int8, 1, 32, "percentile", dict(percentile=90.0)),
+    (jnp.int8, 0, 4, "percentile", dict(percentile=50.0)),
+    (jnp.int8, 1, 0, "percentile", dict(percentile=90.0)),
+], ids=lambda v: str(v) if not isinstance(v, type) else np.dtype(v).name)
+def test_mse_and_percentile_match_the_documented_recipe_per_block(
+    dtype, axis, block_size, method, options):
+  """Per index of either axis and in blocks (the last ragged), NaNs ignored, clip_ratio
+  applied: ragged blocks, per-column layouts and NaNs each reached only the MSE search
+  or the percentile of an existing test's per-row layout before."""
+  scale, _ = jq.choose_qparams(X_EDGES, dtype, axis=axis, block_size=block_size,
+                               method=method, **options)
+  expected = _reference_scales(X_EDGES, dtype, axis, block_size, method, **options)
+  assert scale.shape == expected.shape
+  np.testing.assert_allclose(scale, expected, rtol=1e-6)
+
+
+def test_mse_searches_down_to_a_fifth_and_keeps_the_first_of_equal_errors():
+  # A hundred values at a fifth of the largest: clipping it to them is best, at the last ratio.
+  x = np.array([1.0] + [0.2] * 100, np.float32)
+  assert float(jq.choose_qparams(x, jnp.int2, method="mse")[0]) == np.float32(0.2)
+  # int2 reaches -2: -1 is exact at ratio 1 (scale 1) and at 0.5 (scale 0.5, code -2).
+  # The first wins, so an exact absmax stays absmax.
+  x = np.array([-1.0, 0.0], np.float32)
+  assert float(jq.choose_qparams(x, jnp.int2, method="mse")[0]) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.int16, jnp.uint16])
+def test_sixteen_bit_integers_are_the_widest_accepted(dtype):
+  scale, zero_point = jq.choose_qparams(W, dtype, axis=0)
+  np.testing.assert_array_equal(
+      scale, np.abs(W).max(axis=1) / np.float32(ml_dtypes.iinfo(dtype).max))
+  assert zero_point.dtype == dtype
+  scale, zero_point = jq.choose_qparams(W, dtype, method="minmax")
+  _, expected_scale, expected_zero_point = jq.dynamic_quantize_linear(W, dtype=dtype)
+  assert scale == expected_scale and zero_point == expected_zero_point
+
+
+def test_empty_blocks_get_scale_one_by_every_method():
+  for method in ("absmax", "qmax_plus_half", "percentile", "mse", "minmax"):
+    scale, _ = jq.choose_qparams(np.zeros((0, 3), np.float32), jnp.int8, axis=1, method=method)
+    np.testing.assert_array_equal(scale, np.ones(3, np.float32), err_msg=method)
+
+
 def test_jit_vmap_and_one_compilation_per_layout():
   f = jax.jit(lambda x: jq.choose_qparams(x, jnp.int4, axis=0, method="mse"))
   np.testing.assert_array_equal(f(W)[0], jq.choose_qparams(W, jnp.int4, axis=0, method="mse")[0])
@@ -134,6 +231,7 @@ def test_jit_vmap_and_one_compilation_per_layout():
     (dict(clip_ratio=1.5), ValueError, "clip_ratio"),
     (dict(method="minmax", clip_ratio=0.9), ValueError, "clip_ratio"),
     (dict(percentile=101.0), ValueError, "percentile"),
+    (dict(percentile=0.0), ValueError, "percentile"),
     (dict(dtype=jnp.int32), TypeError, "dtype"),
     (dict(dtype=jnp.float32), TypeError, "dtype"),
     (dict(axis=None, block_size=4), ValueError, "block_size"),
