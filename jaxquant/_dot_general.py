@@ -38,8 +38,15 @@ _INT8 = _dtypes.quantized_dtype("dtype", jnp.int8)
 
 
 def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
-  """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros."""
-  return _compiled_symmetric_scale(x, tuple(reduced), info)
+  """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros.
+
+  Held constant for differentiation: the statistics read x without a tangent,
+  so no derivative of their reduction is traced. The inference drop-ins'
+  derivative is then zero, as ``round``'s (otherwise it would reach the
+  largest-magnitude element of each row through ``max|x|`` and no other, a
+  gradient that trains nothing), and the fake-quant ones' straight-through.
+  """
+  return _compiled_symmetric_scale(lax.stop_gradient(x), tuple(reduced), info)
 
 
 # Compiled once per shape: called eagerly (a drop-in outside jit, a model run op by op), the
@@ -49,7 +56,7 @@ def _compiled_symmetric_scale(x: jax.Array, reduced: tuple[int, ...], info) -> j
   # Not keepdims (a kernel's reduction, NaN-aware in one pass): XLA:CPU then
   # reduces integer keys, with no |x| written out and no constant x folded.
   (magnitude,) = _dynamic._max_magnitude(x, reduced)
-  magnitude = jnp.expand_dims(magnitude, tuple(reduced))
+  magnitude = jnp.expand_dims(magnitude, reduced)
   scale, _ = _dynamic._symmetric_parameters(magnitude, info=info)
   return scale
 
@@ -65,15 +72,9 @@ def _signed_integer(argument: str, dtype: Any):
 
 
 def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
-  """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``.
-
-  The scale is held constant for differentiation, so that the inference
-  drop-ins' derivative is zero everywhere, as ``round``'s is: otherwise it
-  would reach the largest-magnitude element of each row through ``max|x|``
-  and no other, a gradient that trains nothing.
-  """
+  """x as symmetric ``info.dtype``, one scale per index of the dims not ``reduced``."""
   x = _dtypes.float_input("lhs or rhs", jnp.asarray(x))
-  scale = _symmetric_scale(lax.stop_gradient(x), reduced, info)
+  scale = _symmetric_scale(x, reduced, info)
   with _checked.unchecked():
     return _linear.quantize_linear(x, scale, axis=None, output_dtype=info.dtype), scale
 
@@ -311,9 +312,7 @@ def dot_general_static_int8(
 
 
 def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
-  # The scale is held constant: its statistics read x without a tangent, so no
-  # derivative of their reduction is traced at all.
-  scale = _symmetric_scale(lax.stop_gradient(x), reduced)
+  scale = _symmetric_scale(x, reduced)
   with _checked.unchecked():
     return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
 
