@@ -80,6 +80,10 @@ FOUR_BIT_DTYPES = _select(lambda d: bit_width(d) == 4)
 # What pack/unpack take besides float6 (which packs as a 6-bit stream).
 SUB_BYTE_DTYPES = TWO_BIT_DTYPES + FOUR_BIT_DTYPES
 
+# The MSE search's clip ratios as docs/numerics.md states them, written out here rather
+# than read from the library: 1, 0.98, ..., 0.2, the first (largest) of equal errors kept.
+MSE_CLIP_RATIOS = tuple(np.float32(1 - 0.02 * i) for i in range(41))
+
 # --- implementations ----------------------------------------------------------------------
 
 # The engines behind an op's ``implementation=``; Pallas runs in interpret mode on CPU.

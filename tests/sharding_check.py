@@ -314,15 +314,15 @@ def dot_general_cases():
       report(f"jit 1d xla {name} {layout} -", f(*arguments), f(x, weight),
              f.lower(*arguments).compile().as_text(), NamedSharding(mesh, out_spec),
              weight.values.size // mesh.size // 16)
-  # out_sharding on an automatic mesh: the result placed as asked, whatever the operands'.
+  # out_sharding on an automatic mesh: the result placed as asked, whatever the operands',
+  # and equal to the product without it.
   rows_split = NamedSharding(mesh, P("c", None))
-  for name, f in {
-      "dot_general_dynamic_int8": jax.jit(lambda x, w: jq.dot_general_dynamic_int8(
-          x, w, dimension_numbers, out_sharding=rows_split)),
-      "dot_general_static_int8": jax.jit(lambda x, w: jq.dot_general_static_int8(
-          x, w, dimension_numbers, out_sharding=rows_split, input_scale=0.02)),
-  }.items():
-    report(f"jit 1d xla {name} out_sharding-rows -", f(x, weight), f(x, weight),
+  for name, options in [("dot_general_dynamic_int8", {}),
+                        ("dot_general_static_int8", dict(input_scale=0.02))]:
+    drop_in = functools.partial(getattr(jq, name), dimension_numbers=dimension_numbers,
+                                **options)
+    f = jax.jit(functools.partial(drop_in, out_sharding=rows_split))
+    report(f"jit 1d xla {name} out_sharding-rows -", f(x, weight), jax.jit(drop_in)(x, weight),
            f.lower(x, weight).compile().as_text(), rows_split,
            weight.values.size // mesh.size // 16)
 

@@ -10,6 +10,7 @@ import pytest
 
 import jaxquant as jq
 from quant_testing import assert_bits_equal
+from quant_testing import MSE_CLIP_RATIOS
 
 BATCHES = [np.asarray(jax.random.normal(jax.random.key(i), (32, 16)) * (i + 1), np.float32)
            for i in range(4)]
@@ -156,7 +157,7 @@ def test_histogram_mse_picks_the_clip_of_least_expected_error():
   centres = (np.arange(16) + 0.5) * width
   for dtype in (jnp.int2, jnp.int4, jnp.int8):
     qmax = jnp.iinfo(dtype).max
-    clips = [(1 - 0.02 * i) * float(state.histogram_range) for i in range(41)]
+    clips = [ratio * float(state.histogram_range) for ratio in MSE_CLIP_RATIOS]
     errors = [np.sum(histogram * np.where(centres > clip, (centres - clip) ** 2,
                                           (clip / qmax) ** 2 / 12)) for clip in clips]
     scale, _ = jq.observer_qparams(state, dtype, method="mse")

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from quant_testing import MSE_CLIP_RATIOS
+from quant_testing import spec_fake_quantize
 
 W = np.asarray(jax.random.normal(jax.random.key(0), (6, 70)), np.float32)
 
@@ -119,11 +121,6 @@ def test_nan_ignored_zero_and_empty_blocks_get_scale_one():
   np.testing.assert_array_equal(scale, np.ones(3, np.float32))
 
 
-# The documented MSE search: clip ratios 1, 0.98, ..., 0.2 (41 of them), the first
-# (largest) of equal errors chosen.
-DOCUMENTED_RATIOS = [np.float32(1 - 0.02 * i) for i in range(41)]
-
-
 def _param_blocks(x, axis, block_size):
   """x's elements per scale, in the scales' layout: a dict index -> 1-D block, and the shape."""
   if not block_size:
@@ -140,7 +137,6 @@ def _param_blocks(x, axis, block_size):
 def _reference_scales(x, dtype, axis, block_size, method, clip_ratio=1.0, percentile=99.99):
   """choose_qparams' scale as its docstring states it, block by block in NumPy (NaNs ignored)."""
   qmax = np.float32(ml_dtypes.iinfo(dtype).max)
-  qmin = np.float32(ml_dtypes.iinfo(dtype).min)
   blocks, shape = _param_blocks(x, axis, block_size)
   scales = np.empty(shape, np.float32)
   for index, block in blocks.items():
@@ -151,11 +147,10 @@ def _reference_scales(x, dtype, axis, block_size, method, clip_ratio=1.0, percen
       continue
     magnitude = np.abs(values).max(initial=0) * np.float32(clip_ratio)
     errors, candidates = [], []
-    for ratio in DOCUMENTED_RATIOS:
+    for ratio in MSE_CLIP_RATIOS:
       clip = np.float32(magnitude * ratio)
       scale = clip / qmax if clip else np.float32(1)
-      # fake_quantize from docs/numerics.md: true division, ties to even, saturation.
-      y = np.clip(np.round(values / scale), qmin, qmax) * scale
+      y = spec_fake_quantize(values, scale, None, np.dtype(dtype), None, 0)
       errors.append(np.sum((y - values) ** 2))
       candidates.append(scale)
     scales[index] = candidates[int(np.argmin(errors))]  # the first of equal errors
