@@ -1068,8 +1068,8 @@ def matmul_nbits(
     block_size: a power of two >= 16.
     implementation: ``None`` (the fastest path), ``"xla"`` or ``"pallas"``
       (a fused kernel that dequantizes packed codes next to the dot; it needs
-      K a multiple of block_size, integer zero points and a static batch,
-      else XLA runs). Same bits.
+      K a multiple of block_size, integer zero points, a static batch and
+      more than one output, else XLA runs). Same bits.
 
   Returns:
     ``(..., N)`` in a's dtype.
@@ -1097,8 +1097,12 @@ def matmul_nbits(
   xla = functools.partial(_nbits_xla, **options)
   # A symbolic batch (jax.export) has no static grid to tile: XLA runs it.
   static_batch = all(isinstance(d, int) for d in a.shape)
+  # One output is one dot product of K terms, nothing for a kernel to fuse,
+  # and XLA:CPU sums it in an order its fusion with the decoding picks:
+  # interpret mode's decode gave another order (2 bits, K = 16; docs/numerics.md).
+  outputs = a.size // K * N if static_batch else 0
   kernel = None
-  if K % block_size == 0 and zero_points.dtype == _UINT8 and static_batch and a.size:
+  if K % block_size == 0 and zero_points.dtype == _UINT8 and outputs > 1:
     kernel = functools.partial(_nbits_kernel, **options)
   y = _dispatch.evaluate(
       _dispatch.Route("matmul_nbits", f"uint{bits}", "blocked"), implementation, xla, kernel,

@@ -10,6 +10,7 @@ operands; the oracle suites compare against it where an oracle deviates.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import dataclasses
 import functools
 import inspect
@@ -630,6 +631,24 @@ def entry_work(hlo: str) -> list[tuple[str, str, str]]:
   return [(op, result, operands)
           for result, op, operands in re.findall(r"= (\([^)]*\)|\S+) ([\w\-]+)\(([^)]*)\)", entry)
           if op not in _ENTRY_BOOKKEEPING]
+
+
+def equations(jaxpr) -> Iterator[Any]:
+  """Every equation, also inside jit, cond branches (one per platform) and the like."""
+  for equation in jaxpr.eqns:
+    yield equation
+    for value in equation.params.values():
+      for inner in value if isinstance(value, (tuple, list)) else [value]:
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from equations(inner)
+
+
+def uses_pallas(function, *args) -> bool:
+  """Whether ``function(*args)`` runs a Pallas kernel (on some platform branch)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  jaxpr = jax.make_jaxpr(function)(*args).jaxpr
+  return any(e.primitive.name == "pallas_call" for e in equations(jaxpr))
 
 
 # --- the matmul ops and lax drop-ins as models call them -----------------------------------

@@ -32,12 +32,14 @@ from pallas_kernels.dequantize import decode_codes
 from pallas_kernels.dequantize import decode_nibbles
 from quant_testing import assert_bits_equal
 from quant_testing import bit_width
+from quant_testing import equations
 from quant_testing import FLOAT6_DTYPES
 from quant_testing import FLOAT_DTYPES
 from quant_testing import FOUR_BIT_DTYPES
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
 from quant_testing import QUANTIZED_DTYPES
 from quant_testing import SUB_BYTE_DTYPES
+from quant_testing import uses_pallas
 from quant_testing import xla_dynamic_evaluation
 from quant_testing import xla_evaluation
 
@@ -169,7 +171,7 @@ def test_packed_kernel_reads_bytes(dtype):
       jq.dequantize_linear, axis=1, block_size=32, packed_shape=(64, 96),
       packed_dtype=dtype, implementation="pallas",
   ))(packed, jnp.ones((64, 3)))
-  kernels = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+  kernels = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
   assert kernels  # one per platform branch
   for kernel in kernels:
     assert kernel.invars[0].aval.dtype == jnp.uint8
@@ -276,30 +278,14 @@ class TransformationsTest(chex.TestCase):
 # --- implementation=None ------------------------------------------------------------
 
 
-def _equations(jaxpr):
-  """Every equation, also inside jit, cond branches (one per platform) and the like."""
-  for equation in jaxpr.eqns:
-    yield equation
-    for value in equation.params.values():
-      for inner in value if isinstance(value, (tuple, list)) else [value]:
-        inner = getattr(inner, "jaxpr", inner)
-        if hasattr(inner, "eqns"):
-          yield from _equations(inner)
-
-
-def _uses_pallas(function, *args):
-  jaxpr = jax.make_jaxpr(function)(*args).jaxpr
-  return any(e.primitive.name == "pallas_call" for e in _equations(jaxpr))
-
-
 def test_default_implementation_runs_kernels_only_where_measured_faster():
   # PALLAS_FASTER lists what was timed faster on hardware (benchmarks/results/):
   # never the CPU (interpret mode); on CUDA, blocked int4 dequantization only.
   assert set(_dispatch.PALLAS_FASTER) == {"cuda"}
   x = jnp.zeros((8, 128), jnp.int8)
-  assert not _uses_pallas(jq.dequantize_linear, x, 1.0)
-  assert _uses_pallas(functools.partial(jq.dequantize_linear, implementation="pallas"), x, 1.0)
-  assert _uses_pallas(
+  assert not uses_pallas(jq.dequantize_linear, x, 1.0)
+  assert uses_pallas(functools.partial(jq.dequantize_linear, implementation="pallas"), x, 1.0)
+  assert uses_pallas(
       functools.partial(jq.dynamic_quantize_linear, implementation="pallas"), x.astype(float)
   )
   packed = jnp.zeros((8, 64), jnp.uint8)
@@ -321,7 +307,7 @@ def test_xla_implementation_runs_no_kernel_even_where_one_is_listed():
   """implementation="xla" is XLA on every platform, also for CUDA's blocked int4
   dequantization, which PALLAS_FASTER lists for implementation=None."""
   x = jnp.zeros((8, 128), jnp.int8)
-  assert not _uses_pallas(functools.partial(jq.dequantize_linear, implementation="xla"), x, 1.0)
+  assert not uses_pallas(functools.partial(jq.dequantize_linear, implementation="xla"), x, 1.0)
   blocked_int4 = jax.jit(lambda x, s: jq.dequantize_linear(
       x, s, axis=1, block_size=32, packed_shape=(8, 128), output_dtype=jnp.bfloat16,
       implementation="xla"))
@@ -339,10 +325,10 @@ def test_default_implementation_follows_the_routes_dtype_and_layout(monkeypatch)
     blocks = jnp.ones((8, 4))
     blocked = lambda q: jq.dequantize_linear(q, blocks, axis=1, block_size=32)
     q = jnp.zeros((8, 128), jnp.int8)
-    assert _uses_pallas(blocked, q)
-    assert not _uses_pallas(blocked, q.astype(jnp.uint8))  # another dtype
-    assert not _uses_pallas(lambda q: jq.dequantize_linear(q, 1.0), q)  # another layout
-    assert not _uses_pallas(lambda q: jq.quantize_linear(
+    assert uses_pallas(blocked, q)
+    assert not uses_pallas(blocked, q.astype(jnp.uint8))  # another dtype
+    assert not uses_pallas(lambda q: jq.dequantize_linear(q, 1.0), q)  # another layout
+    assert not uses_pallas(lambda q: jq.quantize_linear(
         q.astype(jnp.float32), blocks, axis=1, block_size=32), q)  # another op
   finally:
     jax.clear_caches()
@@ -357,8 +343,8 @@ def test_default_implementation_runs_the_kernel_where_the_table_lists_it(monkeyp
   try:
     x = jnp.linspace(-3.0, 3.0, 8 * 128).reshape(8, 128)
     quantize = functools.partial(jq.quantize_linear, scale=0.02, output_dtype=jnp.int8)
-    assert _uses_pallas(quantize, x)
-    assert not _uses_pallas(jq.dynamic_quantize_linear, x)  # not listed
+    assert uses_pallas(quantize, x)
+    assert not uses_pallas(jq.dynamic_quantize_linear, x)  # not listed
     q = jq.quantize_linear(x, 0.02, output_dtype=jnp.int8, implementation="xla")
     assert_bits_equal(quantize(x), q)
     assert_bits_equal(jax.vmap(quantize)(x), q)
@@ -367,7 +353,7 @@ def test_default_implementation_runs_the_kernel_where_the_table_lists_it(monkeyp
       y = jq.dequantize_linear(q, scale, implementation=implementation)
       return jnp.sum(jnp.sin(y))
 
-    assert _uses_pallas(loss, 0.5)
+    assert uses_pallas(loss, 0.5)
     assert_bits_equal(jax.grad(loss)(0.5), jax.grad(loss)(0.5, "xla"))
   finally:
     jax.clear_caches()

@@ -18,6 +18,7 @@ from quant_testing import assert_bits_equal
 from quant_testing import entry_work
 from quant_testing import spec_nbits_weight
 from quant_testing import summation_bound
+from quant_testing import uses_pallas
 from quant_testing import wrap_int32
 
 _DIMS = (((1,), (0,)), ((), ()))
@@ -742,6 +743,8 @@ def test_matmul_nbits_equals_dequantize_then_matmul(m, k, n, block_size):
     pytest.param(4, 1, 1024, 1024, 32, "packed", marks=pytest.mark.slow),
     (4, 300, 256, 384, 128, None),
     (2, 5, 64, 24, 16, "packed"), (8, 7, 128, 40, 16, "packed"),
+    # Beside the single output (M = N = 1, which XLA runs): one word of 2-bit codes per row.
+    (2, 2, 16, 1, 16, "packed"), (2, 1, 16, 2, 16, "packed"),
 ])
 def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
   """The fused kernel (interpret mode) gives the XLA path's bits, values and gradients."""
@@ -758,6 +761,26 @@ def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
   np.testing.assert_array_equal(jax.jit(lambda: call(jnp.asarray(a), "pallas"))(), call(a, "xla"))
   grad = lambda implementation: jax.grad(lambda a: jnp.sum(call(a, implementation) ** 2))(a)
   np.testing.assert_array_equal(grad("pallas"), grad("xla"))
+
+
+@pytest.mark.parametrize("batch, n, kernel", [
+    ((1,), 1, False), ((1, 1), 1, False), ((2,), 1, True), ((1,), 2, True), ((3, 1), 1, True),
+])
+def test_matmul_nbits_kernel_runs_for_more_than_one_output(batch, n, kernel):
+  """implementation="pallas" runs the kernel for two outputs or more; one output is one dot
+  product, which XLA:CPU sums in an order its fusion picks (interpret mode's decoding picked
+  another at 2 bits, K = 16: docs/numerics.md), so the XLA path runs it."""
+  for seed in range(8):
+    rng = np.random.default_rng(seed)
+    b, scales, zero_points = _nbits_case(rng, 2, 16, n, 16, "packed")
+    a = rng.standard_normal((*batch, 16)).astype(np.float32)
+
+    def call(a, implementation="pallas"):
+      return jq.matmul_nbits(a, b, scales, zero_points, K=16, N=n, bits=2, block_size=16,
+                             implementation=implementation)
+
+    assert uses_pallas(call, a) == kernel
+    np.testing.assert_array_equal(call(a), call(a, "xla"))
 
 
 def test_matmul_nbits_bias_is_added_to_the_rounded_product():
