@@ -41,10 +41,10 @@ def _symmetric_scale(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Ar
   """``max|x| / qmax`` over the ``reduced`` dims (kept as size 1), 1 where x is all zeros.
 
   Held constant for differentiation: the statistics read x without a tangent,
-  so no derivative of their reduction is traced. The inference drop-ins'
-  derivative is then zero, as ``round``'s (otherwise it would reach the
-  largest-magnitude element of each row through ``max|x|`` and no other, a
-  gradient that trains nothing), and the fake-quant ones' straight-through.
+  so no derivative of their reduction is traced, and every drop-in's
+  derivative is the straight-through one (through ``max|x|`` it would reach
+  the largest-magnitude element of each row and no other, a gradient that
+  trains nothing).
   """
   return _compiled_symmetric_scale(lax.stop_gradient(x), tuple(reduced), info)
 
@@ -135,6 +135,14 @@ def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sh
                           rhs_scale, lhs_zero_point)
 
 
+def _float_dot(lhs, rhs, dimension_numbers, result_dtype, out_sharding):
+  """The float product of fake-quantized operands: the integer dot's derivative."""
+  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  return lax.dot_general(
+      lhs.astype(compute), rhs.astype(compute), dimension_numbers,
+      preferred_element_type=compute, out_sharding=out_sharding).astype(result_dtype)
+
+
 def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.Array:
   """``values - zero_point`` exactly, as int16 (int8's differences fit it), or int8 for none."""
   if zero_point is None:
@@ -142,7 +150,8 @@ def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.
   return values.astype(jnp.int16) - jnp.asarray(zero_point).astype(jnp.int16)
 
 
-def _static_lhs(lhs, input_scale, input_zero_point):
+def _static_parameters(lhs, input_scale, input_zero_point):
+  """lhs, ``input_scale`` and ``input_zero_point`` as arrays, checked."""
   lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   input_scale = _dtypes.scale_array("input_scale", input_scale)
   _validate.check(
@@ -157,12 +166,16 @@ def _static_lhs(lhs, input_scale, input_zero_point):
         input_zero_point.size == 1, "input_zero_point.shape", "one element (per tensor)",
         input_zero_point.shape,
     )
-  values = _linear.quantize_linear(
+  return lhs, input_scale, input_zero_point
+
+
+def _static_lhs(lhs, input_scale, input_zero_point):
+  """lhs as int8 at the checked per-tensor ``input_scale`` and ``input_zero_point``."""
+  return _linear.quantize_linear(
       lhs, input_scale.reshape(()),
       None if input_zero_point is None else input_zero_point.reshape(()),
       axis=None, output_dtype=jnp.int8,
   )
-  return values, input_scale, input_zero_point
 
 
 def _matching(values, other):
@@ -170,6 +183,60 @@ def _matching(values, other):
   if values.dtype == other.dtype:
     return values, other
   return values, other.astype(values.dtype)
+
+
+def _straight_through(integer_product: Callable[..., jax.Array],
+                      fake_quantized_product: Callable[..., jax.Array], *operands: Any):
+  """``integer_product(*operands)``, differentiated as ``fake_quantized_product``.
+
+  The integer evaluation's own derivative is round's, zero. Its operands are
+  ``dequantize(quantize(.))`` of the given ones, so the product is, to
+  float rounding, the float product of the fake-quantized operands (same
+  scales), whose derivative is :func:`fake_quantize`'s straight-through one:
+  the inference drop-ins train, as AQT's int8 ``dot_general`` does, and a
+  frozen quantized layer passes its input's gradient on.
+  """
+
+  @jax.custom_jvp
+  def product(*operands):
+    return integer_product(*operands)
+
+  @product.defjvp
+  def _(primals, tangents):
+    _, tangent = jax.jvp(fake_quantized_product, primals, tangents)
+    return product(*primals), tangent
+
+  return product(*operands)
+
+
+def _fake_quantized_symmetric(x: jax.Array, reduced: Sequence[int], info=_INT8) -> jax.Array:
+  """x fake-quantized as :func:`_quantize_symmetric` quantizes it (the same scale)."""
+  scale = _symmetric_scale(x, reduced, info)
+  with _checked.unchecked():
+    return _fake.fake_quantize(x, scale, axis=None, dtype=info.dtype)
+
+
+def _fake_quantized_rhs(rhs: Any, reduced: Sequence[int], info=_INT8) -> jax.Array:
+  """rhs as :func:`_rhs_quantized` has it, in float: a stored weight dequantized."""
+  if isinstance(rhs, _params.QuantizedArray):
+    return rhs.dequantize()
+  return _fake_quantized_symmetric(rhs, reduced, info)
+
+
+def _fake_quantized_static(lhs, input_scale, input_zero_point):
+  """lhs fake-quantized as :func:`_static_lhs` quantizes it (masked where it saturates)."""
+  with _checked.unchecked():
+    return _fake.fake_quantize(
+        lhs, input_scale.reshape(()),
+        None if input_zero_point is None else input_zero_point.reshape(()),
+        axis=None, dtype=jnp.int8)
+
+
+def _float_operand(name: str, x: Any) -> Any:
+  """A float array as an array (checked), a stored weight as it is."""
+  if _params._is_container(x):
+    return x
+  return _dtypes.float_input(name, jnp.asarray(x))
 
 
 @_validate.reports_as("dot_general_dynamic_int8")
@@ -197,9 +264,11 @@ def dot_general_dynamic_int8(
   :func:`quantized_dot_general`'s (``float32(acc) * (s_lhs * s_rhs)``).
   Symmetric, so that no zero-point correction is needed. For ``nnx.Linear(dot_general=...)``,
   linen's ``Dense(dot_general=...)``, ``nnx.Einsum`` through
-  :func:`replace_ops`, or direct calls. The derivative for ``lhs`` and
-  ``rhs`` is zero, as ``round``'s (the scales are held constant); train
-  with :func:`dot_general_fake_quant`.
+  :func:`replace_ops`, or direct calls. The derivative is straight-through:
+  that of ``lax.dot_general`` of the fake-quantized operands
+  (:func:`fake_quantize` at the same scales, held constant), so a model
+  with these layers trains, and a frozen one passes its input's gradient
+  on; a stored weight's scale gets :meth:`QuantizedArray.dequantize`'s.
   ``lhs_dtype`` and ``rhs_dtype`` choose narrower symmetric integers
   (``q_max`` 7 for int4, 1 for int2): int4 activations are
   ``functools.partial(dot_general_dynamic_int8, lhs_dtype=jnp.int4)``, the
@@ -236,15 +305,24 @@ def dot_general_dynamic_int8(
     Array([[-0.6434196]], dtype=float32)
   """
   (lhs_contracting, rhs_contracting), _ = dimension_numbers
-  lhs_values, lhs_scale = _quantize_symmetric(
-      lhs, lhs_contracting, _signed_integer("lhs_dtype", lhs_dtype))
-  rhs_values, rhs_scale = _rhs_quantized(
-      rhs, rhs_contracting, _signed_integer("rhs_dtype", rhs_dtype))
-  return _integer_dot(
-      lhs_values, rhs_values, dimension_numbers,
-      _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
-      lhs_scale=lhs_scale, rhs_scale=rhs_scale,
-  )
+  lhs_info = _signed_integer("lhs_dtype", lhs_dtype)
+  rhs_info = _signed_integer("rhs_dtype", rhs_dtype)
+  lhs, rhs = _float_operand("lhs", lhs), _float_operand("rhs", rhs)
+  result_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+
+  def integer(lhs, rhs):
+    lhs_values, lhs_scale = _quantize_symmetric(lhs, lhs_contracting, lhs_info)
+    rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting, rhs_info)
+    return _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding,
+                        lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+
+  def fake_quantized(lhs, rhs):
+    return _float_dot(
+        _fake_quantized_symmetric(lhs, lhs_contracting, lhs_info),
+        _fake_quantized_rhs(rhs, rhs_contracting, rhs_info),
+        dimension_numbers, result_dtype, out_sharding)
+
+  return _straight_through(integer, fake_quantized, lhs, rhs)
 
 
 @_validate.reports_as("dot_general_static_int8")
@@ -270,7 +348,10 @@ def dot_general_static_int8(
   :func:`calibrate` or :func:`observer_qparams`); ``rhs`` symmetric int8 per
   output feature as in :func:`dot_general_dynamic_int8`. The product is
   :func:`quantized_dot_general`'s: int32 accumulation with the zero point's
-  correction, exact, then ``float32(acc) * (s_in * s_rhs)``. Bind the
+  correction, exact, then ``float32(acc) * (s_in * s_rhs)``. The
+  derivative is :func:`dot_general_dynamic_int8`'s straight-through one,
+  ``lhs`` masked where it saturates (:func:`fake_quantize`'s rule; none for
+  ``input_scale`` and ``input_zero_point``). Bind the
   parameters with ``functools.partial`` to get ``lax.dot_general``'s
   signature; :func:`calibrate` does.
 
@@ -301,20 +382,26 @@ def dot_general_static_int8(
     Array([[-0.5]], dtype=float32)
   """
   (_, rhs_contracting), _ = dimension_numbers
-  lhs_values, scale, zero_point = _static_lhs(lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting)
-  return _integer_dot(
-      lhs_values, rhs_values, dimension_numbers,
-      _result_dtype(lhs, rhs, preferred_element_type), out_sharding,
-      lhs_scale=scale.reshape(()), rhs_scale=rhs_scale,
-      lhs_zero_point=None if zero_point is None else zero_point.reshape(()),
-  )
+  lhs, input_scale, input_zero_point = _static_parameters(lhs, input_scale, input_zero_point)
+  rhs = _float_operand("rhs", rhs)
+  result_dtype = _result_dtype(lhs, rhs, preferred_element_type)
 
+  def integer(lhs, rhs, scale, zero_point):
+    lhs_values = _static_lhs(lhs, scale, zero_point)
+    rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting)
+    return _integer_dot(
+        lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding,
+        lhs_scale=scale.reshape(()), rhs_scale=rhs_scale,
+        lhs_zero_point=None if zero_point is None else zero_point.reshape(()),
+    )
 
-def _fake_quantize_int8(x: jax.Array, reduced: Sequence[int]) -> jax.Array:
-  scale = _symmetric_scale(x, reduced)
-  with _checked.unchecked():
-    return _fake.fake_quantize(x, scale, axis=None, dtype=jnp.int8)
+  def fake_quantized(lhs, rhs, scale, zero_point):
+    return _float_dot(
+        _fake_quantized_static(lhs, scale, zero_point),
+        _fake_quantized_rhs(rhs, rhs_contracting), dimension_numbers, result_dtype,
+        out_sharding)
+
+  return _straight_through(integer, fake_quantized, lhs, rhs, input_scale, input_zero_point)
 
 
 def _trained(rhs: Any) -> Any:
@@ -467,7 +554,7 @@ def dot_general_fake_quant(
   (lhs_contracting, _), _ = dimension_numbers
   lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   return lax.dot_general(
-      _fake_quantize_int8(lhs, lhs_contracting), _trained(rhs), dimension_numbers, precision,
+      _fake_quantized_symmetric(lhs, lhs_contracting), _trained(rhs), dimension_numbers, precision,
       preferred_element_type, out_sharding=out_sharding,
   )
 
@@ -490,8 +577,8 @@ def _conv_scales(numbers, lhs_scale, rhs_scale, out_ndim):
   return lhs_scale.reshape(lhs_shape) * rhs_scale.reshape(rhs_shape)
 
 
-def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
-                  numbers, arguments, preferred_element_type, out_sharding):
+def _integer_conv(lhs_values, lhs_scale, rhs_values, rhs_scale, numbers, arguments,
+                  preferred_element_type, result_dtype, out_sharding):
   def on_xla(lhs_values, rhs_values):
     return lax.conv_general_dilated(
         lhs_values, rhs_values, dimension_numbers=numbers,
@@ -515,8 +602,16 @@ def _integer_conv(lhs, rhs, lhs_values, lhs_scale, rhs_values, rhs_scale,
       error=TypeError)
   accumulator = _sharding.placed(convolution, out_sharding, lhs_values, rhs_values)
   scale = _conv_scales(numbers, lhs_scale, rhs_scale, accumulator.ndim)
-  return (accumulator.astype(jnp.float32) * scale).astype(
-      _result_dtype(lhs, rhs, preferred_element_type))
+  return (accumulator.astype(jnp.float32) * scale).astype(result_dtype)
+
+
+def _float_conv(lhs, rhs, numbers, arguments, result_dtype, out_sharding):
+  """The float convolution of fake-quantized operands: the integer one's derivative."""
+  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  return lax.conv_general_dilated(
+      lhs.astype(compute), rhs.astype(compute), dimension_numbers=numbers,
+      preferred_element_type=compute, out_sharding=out_sharding, **arguments,
+  ).astype(result_dtype)
 
 
 def integer_conv_by_taps(
@@ -583,13 +678,22 @@ def _value_bound(x: jax.Array) -> int:
   return 128 if x.dtype.itemsize == 1 else 256
 
 
+def _kernel_reduced(rhs, numbers) -> list[int]:
+  """The kernel's dims but its output feature dim: one scale per output feature."""
+  return [d for d in range(len(_shape(rhs))) if d != numbers.rhs_spec[0]]
+
+
 def _rhs_per_output_feature(rhs, numbers):
   """The kernel as symmetric int8 and its scale, per output feature (or per tensor)."""
-  out_feature = numbers.rhs_spec[0]
   values, scale = _rhs_quantized(
-      rhs, [d for d in range(len(_shape(rhs))) if d != out_feature],
-      kept=f"the kernel's output feature dim ({out_feature})")
+      rhs, _kernel_reduced(rhs, numbers),
+      kept=f"the kernel's output feature dim ({numbers.rhs_spec[0]})")
   return values, scale.reshape(-1)
+
+
+def _fake_quantized_kernel(rhs, numbers):
+  """The kernel as :func:`_rhs_per_output_feature` has it, in float."""
+  return _fake_quantized_rhs(rhs, _kernel_reduced(rhs, numbers))
 
 
 @_validate.reports_as("conv_general_dilated_weight_only")
@@ -702,9 +806,9 @@ def conv_general_dilated_dynamic_int8(
   exact: 0 quantizes to 0) and the int32 result ``acc`` is scaled back in
   float32 as ``float32(acc) * (s_lhs * s_rhs)``, the two scales multiplied
   first (as :func:`dot_general_dynamic_int8`). For
-  ``nnx.Conv(conv_general_dilated=...)``. The derivative for ``lhs`` and
-  ``rhs`` is zero (the scales are held constant); train with
-  :func:`conv_general_dilated_fake_quant`.
+  ``nnx.Conv(conv_general_dilated=...)``. The derivative is
+  straight-through, as :func:`dot_general_dynamic_int8`'s: that of the
+  float convolution of the fake-quantized operands.
 
   Args:
     lhs: float input.
@@ -744,20 +848,29 @@ def conv_general_dilated_dynamic_int8(
     >>> jq.conv_general_dilated_dynamic_int8(x, stored, (1,), "VALID")
     Array([[[-0.992126,  3.007874, -1.511811]]], dtype=float32)
   """
+  lhs, rhs = _float_operand("lhs", lhs), _float_operand("rhs", rhs)
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
   batch = numbers.lhs_spec[0]
-  reduced = [d for d in range(jnp.ndim(lhs)) if d != batch or batch_group_count > 1]
-  lhs_values, lhs_scale = _quantize_symmetric(lhs, reduced)
-  rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
+  reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
       batch_group_count=batch_group_count,
   )
-  if batch_group_count > 1:
-    lhs_scale = lhs_scale.reshape(1)
-  return _integer_conv(lhs, rhs, lhs_values, lhs_scale.reshape(-1), rhs_values,
-                       rhs_scale, numbers, arguments, preferred_element_type, out_sharding)
+  result_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+
+  def integer(lhs, rhs):
+    lhs_values, lhs_scale = _quantize_symmetric(lhs, reduced)
+    rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
+    return _integer_conv(lhs_values, lhs_scale.reshape(-1), rhs_values, rhs_scale, numbers,
+                         arguments, preferred_element_type, result_dtype, out_sharding)
+
+  def fake_quantized(lhs, rhs):
+    return _float_conv(_fake_quantized_symmetric(lhs, reduced),
+                       _fake_quantized_kernel(rhs, numbers), numbers, arguments, result_dtype,
+                       out_sharding)
+
+  return _straight_through(integer, fake_quantized, lhs, rhs)
 
 
 @_validate.reports_as("conv_general_dilated_static_int8")
@@ -785,8 +898,9 @@ def conv_general_dilated_static_int8(
   integer convolution, so zero padding still stands for 0.0 and the result
   is exact up to the final float32 scaling, ``float32(acc) * (s_in * s_rhs)``
   with ``acc`` the int32 convolution. ``rhs`` is symmetric int8 per
-  output feature. Bind the parameters with ``functools.partial``
-  (:func:`calibrate` does).
+  output feature. The derivative is straight-through, as
+  :func:`dot_general_static_int8`'s. Bind the parameters with
+  ``functools.partial`` (:func:`calibrate` does).
 
   Args:
     lhs: float input.
@@ -821,17 +935,29 @@ def conv_general_dilated_static_int8(
     >>> jq.conv_general_dilated_static_int8(x, w, (1,), "VALID", input_scale=0.5)
     Array([[[-1. ,  3. , -1.5]]], dtype=float32)
   """
+  lhs, input_scale, input_zero_point = _static_parameters(lhs, input_scale, input_zero_point)
+  rhs = _float_operand("rhs", rhs)
   numbers = _conv_numbers(lhs, rhs, dimension_numbers)
-  lhs_values, scale, zero_point = _static_lhs(lhs, input_scale, input_zero_point)
-  rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
-  lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
   arguments = dict(
       window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
       batch_group_count=batch_group_count,
   )
-  return _integer_conv(lhs, rhs, lhs_values, scale.reshape(1), rhs_values,
-                       rhs_scale, numbers, arguments, preferred_element_type, out_sharding)
+  result_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+
+  def integer(lhs, rhs, scale, zero_point):
+    lhs_values = _static_lhs(lhs, scale, zero_point)
+    rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
+    lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
+    return _integer_conv(lhs_values, scale.reshape(1), rhs_values, rhs_scale, numbers,
+                         arguments, preferred_element_type, result_dtype, out_sharding)
+
+  def fake_quantized(lhs, rhs, scale, zero_point):
+    return _float_conv(_fake_quantized_static(lhs, scale, zero_point),
+                       _fake_quantized_kernel(rhs, numbers), numbers, arguments, result_dtype,
+                       out_sharding)
+
+  return _straight_through(integer, fake_quantized, lhs, rhs, input_scale, input_zero_point)
 
 
 @_validate.reports_as("conv_general_dilated_fake_quant")
@@ -890,7 +1016,7 @@ def conv_general_dilated_fake_quant(
   batch = numbers.lhs_spec[0]
   reduced = [d for d in range(lhs.ndim) if d != batch or batch_group_count > 1]
   return lax.conv_general_dilated(
-      _fake_quantize_int8(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
+      _fake_quantized_symmetric(lhs, reduced), rhs, window_strides, padding, lhs_dilation,
       rhs_dilation, numbers, feature_group_count, batch_group_count, precision,
       preferred_element_type, out_sharding=out_sharding,
   )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import re
 
@@ -837,6 +838,44 @@ def statistics_gradient_cases():
              x.size // mesh.size)
 
 
+def drop_in_gradient_cases():
+  """d/dx and d/dkernel of the int8 drop-ins (straight-through: the float product of the
+  fake-quantized operands) on automatic and explicit 1-D meshes, x split along its rows (data
+  parallel) or along K with the kernel (row-parallel, out_sharding replicated): one device's
+  gradients, to float32 rounding where a split contraction adds partials across devices."""
+  rng = np.random.default_rng(14)
+  rows, depth, n = 16, 256, 32
+  x = rng.standard_normal((rows, depth)).astype(np.float32)
+  kernel = (rng.standard_normal((depth, n)) / 16).astype(np.float32)
+  cotangent = rng.standard_normal((rows, n)).astype(np.float32)
+  dense = (((1,), (0,)), ((), ()))
+  drop_ins = {
+      "dot_general_dynamic_int8": lambda x, w, **o: jq.dot_general_dynamic_int8(
+          x, w, dense, **o),
+      "dot_general_static_int8": lambda x, w, **o: jq.dot_general_static_int8(
+          x, w, dense, input_scale=0.01, input_zero_point=np.int8(-7), **o),
+  }
+  for (name, drop_in), (layout, x_spec, kernel_spec), axis_type in itertools.product(
+      drop_ins.items(), [("rows", P("c", None), P()), ("K", P(None, "c"), P("c", None))],
+      (AxisType.Auto, AxisType.Explicit)):
+    options = dict(out_sharding=P()) if layout == "K" else {}
+
+    def gradients(x, kernel, drop_in=drop_in, options=options):
+      return jax.grad(lambda x, w: jnp.sum(cotangent * drop_in(x, w, **options)),
+                      argnums=(0, 1))(x, kernel)
+
+    mesh = make_mesh("1d", axis_type)
+    arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+                 jax.device_put(kernel, NamedSharding(mesh, kernel_spec)))
+    f = jax.jit(gradients)
+    with jax.set_mesh(mesh):
+      got, compiled = f(*arguments), f.lower(*arguments).compile().as_text()
+    report(f"drop-in gradient {axis_type.name.lower()} 1d {name} {layout}", got,
+           one_device(f"gradient {name}", jax.jit(functools.partial(gradients, options={})),
+                      x, kernel),
+           compiled, NamedSharding(mesh, x_spec), x.size // mesh.size)
+
+
 def checked_cases():
   """``checked`` of a jitted per-column quantize, x and its parameters split along the
   columns: good values give one device's bits with x's split and move nothing; a bad
@@ -953,6 +992,7 @@ if __name__ == "__main__":
   explicit_mesh_layer_cases()
   choose_qparams_cases()
   statistics_gradient_cases()
+  drop_in_gradient_cases()
   checked_cases()
   calibration_cases()
   served_model_cases()

@@ -7,12 +7,14 @@ reverse mode, and under ``vmap``.
 """
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxquant as jq
 from quant_testing import assert_bits_equal
+from quant_testing import assert_tree_bits_equal
 from quant_testing import dtype_name
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import model_calls
@@ -154,18 +156,87 @@ def test_dynamic_quantize_blocked_scale_derivative_splits_ties_evenly(block_size
     np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=implementation)
 
 
-@pytest.mark.parametrize("name", [
-    "dot_general_dynamic_int8", "dot_general_static_int8", "conv_general_dilated_dynamic_int8",
-    "conv_general_dilated_static_int8"])
-def test_inference_drop_ins_have_a_zero_derivative(name):
-  """For x and the kernel, as ``round``'s: the run-time scales ``max|x| / 127`` are held
-  constant, so no derivative reaches the largest-magnitude element of a row or column (and no
-  other) through them."""
-  function, arrays = model_calls()[name]
-  arrays = [a.dequantize() if isinstance(a, jq.QuantizedArray) else a for a in arrays]
-  gradients = jax.grad(lambda *a: jnp.sum(function(*a) ** 2), argnums=(0, 1))(*arrays)
-  for gradient, of in zip(gradients, ("x", "kernel")):
-    assert not np.any(gradient), of
+def _symmetric_scale(x, kept, qmax=127):
+  """max|x| / qmax over every dim but ``kept`` (kept as size 1), 1 where that is 0, in NumPy."""
+  reduced = tuple(d for d in range(x.ndim) if d not in kept)
+  magnitude = np.max(np.abs(np.asarray(x)), axis=reduced, keepdims=True)
+  return np.where(magnitude == 0, np.float32(1), magnitude / np.float32(qmax)).astype(np.float32)
+
+
+def _fake_quantized(x, scale, zero_point=None, dtype=jnp.int8):
+  return jq.fake_quantize(x, scale, zero_point, dtype=dtype)
+
+
+def _straight_through_cases():
+  """name -> (drop-in, its arrays, the float product of its fake-quantized operands)."""
+  calls = model_calls()
+  dense, sequence = (((1,), (0,)), ((), ())), (((2,), (0,)), ((), ()))
+  conv = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  cases = {}
+  for name in ("dot_general_dynamic_int8", "dot_general_dynamic_int8 stored"):
+    function, (x, w) = calls[name]
+    weight = (lambda w: w.dequantize()) if "stored" in name else (
+        lambda w, s=_symmetric_scale(w, (1,)): _fake_quantized(w, s))
+    cases[name] = function, (x, w), lambda x, w, s=_symmetric_scale(x, (0,)), weight=weight: (
+        lax.dot_general(_fake_quantized(x, s), weight(w), dense))
+  x, w = calls["dot_general_dynamic_int8"][1]
+  cases["dot_general_dynamic_int8 int4 x int2"] = (
+      lambda x, w: jq.dot_general_dynamic_int8(x, w, dense, lhs_dtype=jnp.int4,
+                                               rhs_dtype=jnp.int2), (x, w),
+      lambda x, w, s=_symmetric_scale(x, (0,), 7), t=_symmetric_scale(w, (1,), 1): (
+          lax.dot_general(_fake_quantized(x, s, dtype=jnp.int4),
+                          _fake_quantized(w, t, dtype=jnp.int2), dense)))
+  function, (x, w, scale, zero_point) = calls["dot_general_static_int8"]
+  x = x * 8  # a part of x saturates at the calibrated scale
+  cases["dot_general_static_int8"] = function, (x, w, scale, zero_point), (
+      lambda x, w, scale, zero_point, s=_symmetric_scale(w, (1,)): lax.dot_general(
+          _fake_quantized(x, scale, zero_point), _fake_quantized(w, s), sequence))
+  function, (image, stored) = calls["conv_general_dilated_dynamic_int8"]
+  image_scale = _symmetric_scale(image, (0,))
+  float_kernel = calls["conv_general_dilated_static_int8"][1][1]
+  for name, kernel, weight in (
+      ("conv_general_dilated_dynamic_int8 stored", stored, lambda w: w.dequantize()),
+      ("conv_general_dilated_dynamic_int8", float_kernel,
+       lambda w, s=_symmetric_scale(float_kernel, (3,)): _fake_quantized(w, s))):
+    cases[name] = function, (image, kernel), lambda x, w, weight=weight: (
+        lax.conv_general_dilated(_fake_quantized(x, image_scale), weight(w), **conv))
+  function, (image, kernel, scale, zero_point) = calls["conv_general_dilated_static_int8"]
+  image = image * 8
+  cases["conv_general_dilated_static_int8"] = function, (image, kernel, scale, zero_point), (
+      lambda x, w, scale, zero_point, s=_symmetric_scale(kernel, (3,)): (
+          lax.conv_general_dilated(_fake_quantized(x, scale, zero_point),
+                                   _fake_quantized(w, s), **conv)))
+  return cases
+
+
+STRAIGHT_THROUGH = _straight_through_cases()
+
+
+@pytest.mark.parametrize("name", STRAIGHT_THROUGH)
+def test_inference_drop_ins_have_the_straight_through_derivative(name):
+  """The int8 drop-ins differentiate as the float product of their fake-quantized operands
+  (the scales held constant): for x and a float kernel, round's derivative taken as 1 inside
+  the range, 0 where a calibrated scale saturates; a stored kernel's scale as ``dequantize()``'s.
+  The same bits, for a loss linear in the result (its value differs from the float product's
+  by rounding); second order to rounding."""
+  function, arrays, reference = STRAIGHT_THROUGH[name]
+  cotangent = np.random.default_rng(3).standard_normal(
+      jax.eval_shape(function, *arrays).shape).astype(np.float32)
+
+  def gradients(product):
+    linear = lambda *a: jnp.sum(cotangent * product(*a))
+    return jax.grad(linear, argnums=(0, 1), allow_int=True)(*arrays)
+
+  got, want = gradients(function), gradients(reference)
+  assert_tree_bits_equal(got, want)
+  x_gradient = np.asarray(got[0])
+  assert np.any(x_gradient != 0)
+  if "static" in name:
+    assert np.any(x_gradient == 0)  # saturated elements
+  curved = lambda product: jax.grad(lambda x: jnp.sum(jnp.sin(product(x, *arrays[1:]))))
+  tangent = np.ones_like(arrays[0])
+  (_, got), (_, want) = (jax.jvp(curved(f), (arrays[0],), (tangent,)) for f in (function, reference))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.max(np.abs(want)))
 
 
 def test_quantized_add_derivatives():

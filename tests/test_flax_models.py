@@ -257,6 +257,29 @@ def test_stored_int8_kernels_serve_dynamic_int8_bit_for_bit(trained, name):
   np.testing.assert_array_equal(run(served, X_TEST), run(model, X_TEST))
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_served_int8_model_passes_gradients_to_its_input(trained, name):
+  """A model served with int8 kernels stored in its layers and the dynamic int8 drop-ins is
+  differentiable (an adapter before it, saliency): the loss's gradient for the input goes
+  straight through every int8 layer and points where the float model's does. Before, round's
+  zero derivative stopped it at the last layer."""
+  float_model, _ = _fresh(trained, name)
+  served, _ = _fresh(trained, name)
+  graphdef, state = nnx.split(served)
+  served = nnx.merge(graphdef, jq.quantize_params(state, jq.QuantizationRule(pattern="kernel")))
+  jq.replace_ops(served, dot_general=jq.dot_general_dynamic_int8,
+                 conv_general_dilated=jq.conv_general_dilated_dynamic_int8)
+  x, labels = X_TEST[:64], Y_TEST[:64]
+
+  def input_gradient(model):
+    loss = lambda x: -jnp.mean(jax.nn.log_softmax(model(x))[np.arange(len(labels)), labels])
+    return np.asarray(jax.grad(loss)(x)).ravel()
+
+  got, want = input_gradient(served), input_gradient(float_model)
+  cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+  assert cosine > 0.99, cosine
+
+
 def test_stored_int8_transformer_within_half_a_point(trained):
   """Attention's 3-D kernels keep one scale per last-dim index (a head's feature), not
   per output feature as at run time: not the same bits, the same accuracy."""

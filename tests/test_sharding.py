@@ -83,11 +83,18 @@ def _observes_a_float_dot(name: str) -> bool:
   return name.startswith("calibrate") and name.endswith(" down")
 
 
+def _float_gradient(name: str) -> bool:
+  """An int8 drop-in's straight-through gradient: float dots of per-shard shapes, and sums
+  across devices for the kernel's where x's rows are split."""
+  return name.startswith("drop-in gradient")
+
+
 @pytest.mark.slow
 def test_bit_identical_to_one_device(cases):
   assert [name for name, case in cases.items()
           if not case["equal"] and not _float_conv_split_along_features(name)
-          and not _float_dot_split_along_k(name) and not _observes_a_float_dot(name)] == []
+          and not _float_dot_split_along_k(name) and not _observes_a_float_dot(name)
+          and not _float_gradient(name)] == []
 
 
 @pytest.mark.slow
@@ -204,6 +211,18 @@ def test_blocked_statistics_gradients_split_ties_across_shards(cases):
               name: ["all-gather f32[8,192]"] if "explicit" in name and "straddling" in name
               else [] for name in gradients}
   assert all(not case["collectives"] for name, case in gradients.items() if "aligned" in name)
+
+
+@pytest.mark.slow
+def test_int8_drop_in_gradients_on_split_operands(cases):
+  """The int8 drop-ins' straight-through gradients with x split along its rows or along K
+  (the kernel too), on automatic and explicit meshes: one device's to float32 rounding (a
+  float dot of one shard's shape; the kernel's gradient summed across devices where rows are
+  split), x's gradient split as x is, and no operand moved."""
+  gradients = {name: case for name, case in cases.items() if _float_gradient(name)}
+  assert len(gradients) == 8, gradients
+  assert all(case["close"] and case["sharding"] and case["collectives"] == []
+             for case in gradients.values()), gradients
 
 
 @pytest.mark.slow
