@@ -203,8 +203,10 @@ def _straight_through(integer_product: Callable[..., jax.Array],
 
   @product.defjvp
   def _(primals, tangents):
+    # The integer product first: its checks name a bad operand before the float one runs.
+    result = product(*primals)
     _, tangent = jax.jvp(fake_quantized_product, primals, tangents)
-    return product(*primals), tangent
+    return result, tangent
 
   return product(*operands)
 

@@ -305,9 +305,11 @@ def test_conv_int8_refuse_other_stored_kernels(drop_in):
   message = ("rhs must be a float array, or a QuantizedArray of int8 without zero point "
              r"scaled per tensor or per index of the kernel's output feature dim \(3\)")
   for kernel in wrong:
+    x = CONV_X if kernel.shape[2] == 4 else np.concatenate([CONV_X, CONV_X], axis=3)
     with pytest.raises(TypeError, match=message):
-      op(CONV_X if kernel.shape[2] == 4 else np.concatenate([CONV_X, CONV_X], axis=3), kernel,
-         **CONV)
+      op(x, kernel, **CONV)
+    with pytest.raises(TypeError, match=message):  # and differentiated
+      jax.grad(lambda x, kernel=kernel: jnp.sum(op(x, kernel, **CONV)))(x)
 
 
 @pytest.mark.parametrize("rule, options", [
