@@ -117,10 +117,15 @@ def _result_dtype(lhs, rhs, preferred_element_type):
   return np.dtype(jnp.result_type(lhs, rhs))
 
 
+def _compute_dtype(result_dtype: np.dtype) -> np.dtype:
+  """The float dtype a product is scaled and computed in: the result's, or float32."""
+  return result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+
+
 def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding, *,
                  lhs_scale, rhs_scale, lhs_zero_point=None):
   """:func:`quantized_dot_general` of the integer operands, in the result dtype."""
-  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  compute = _compute_dtype(result_dtype)
 
   def product(lhs_values, rhs_values, lhs_scale, rhs_scale, lhs_zero_point):
     # The scales are the activations' statistics (or were checked when they
@@ -137,7 +142,7 @@ def _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sh
 
 def _float_dot(lhs, rhs, dimension_numbers, result_dtype, out_sharding):
   """The float product of fake-quantized operands: the integer dot's derivative."""
-  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  compute = _compute_dtype(result_dtype)
   return lax.dot_general(
       lhs.astype(compute), rhs.astype(compute), dimension_numbers,
       preferred_element_type=compute, out_sharding=out_sharding).astype(result_dtype)
@@ -609,7 +614,7 @@ def _integer_conv(lhs_values, lhs_scale, rhs_values, rhs_scale, numbers, argumen
 
 def _float_conv(lhs, rhs, numbers, arguments, result_dtype, out_sharding):
   """The float convolution of fake-quantized operands: the integer one's derivative."""
-  compute = result_dtype if result_dtype in _dtypes.OUTPUT_FLOAT_DTYPES else np.dtype(np.float32)
+  compute = _compute_dtype(result_dtype)
   return lax.conv_general_dilated(
       lhs.astype(compute), rhs.astype(compute), dimension_numbers=numbers,
       preferred_element_type=compute, out_sharding=out_sharding, **arguments,
