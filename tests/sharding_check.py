@@ -841,39 +841,89 @@ def statistics_gradient_cases():
 def drop_in_gradient_cases():
   """d/dx and d/dkernel of the int8 drop-ins (straight-through: the float product of the
   fake-quantized operands) on automatic and explicit 1-D meshes, x split along its rows (data
-  parallel) or along K with the kernel (row-parallel, out_sharding replicated): one device's
+  parallel) or along K with the kernel (row-parallel, out_sharding replicated), an image along
+  its batch or its input features with the kernel's (out_sharding replicated): one device's
   gradients, to float32 rounding where a split contraction adds partials across devices."""
   rng = np.random.default_rng(14)
   rows, depth, n = 16, 256, 32
   x = rng.standard_normal((rows, depth)).astype(np.float32)
   kernel = (rng.standard_normal((depth, n)) / 16).astype(np.float32)
   cotangent = rng.standard_normal((rows, n)).astype(np.float32)
+  image = rng.standard_normal((8, 5, 5, 16)).astype(np.float32)
+  filters = (rng.standard_normal((3, 3, 16, 32)) / 8).astype(np.float32)
+  image_cotangent = rng.standard_normal((8, 5, 5, 32)).astype(np.float32)
   dense = (((1,), (0,)), ((), ()))
+  conv = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  static = dict(input_scale=0.01, input_zero_point=np.int8(-7))
+  rows_or_k = [("rows", P("c", None), P()), ("K", P(None, "c"), P("c", None))]
+  batch_or_features = [("N", P("c", None, None, None), P()),
+                       ("C", P(None, None, None, "c"), P(None, None, "c", None))]
   drop_ins = {
-      "dot_general_dynamic_int8": lambda x, w, **o: jq.dot_general_dynamic_int8(
-          x, w, dense, **o),
-      "dot_general_static_int8": lambda x, w, **o: jq.dot_general_static_int8(
-          x, w, dense, input_scale=0.01, input_zero_point=np.int8(-7), **o),
+      "dot_general_dynamic_int8": (lambda x, w, **o: jq.dot_general_dynamic_int8(
+          x, w, dense, **o), (x, kernel, cotangent), rows_or_k),
+      "dot_general_static_int8": (lambda x, w, **o: jq.dot_general_static_int8(
+          x, w, dense, **static, **o), (x, kernel, cotangent), rows_or_k),
+      "conv_general_dilated_dynamic_int8": (
+          lambda x, w, **o: jq.conv_general_dilated_dynamic_int8(x, w, **conv, **o),
+          (image, filters, image_cotangent), batch_or_features),
+      "conv_general_dilated_static_int8": (
+          lambda x, w, **o: jq.conv_general_dilated_static_int8(x, w, **conv, **static, **o),
+          (image, filters, image_cotangent), batch_or_features),
   }
-  for (name, drop_in), (layout, x_spec, kernel_spec), axis_type in itertools.product(
-      drop_ins.items(), [("rows", P("c", None), P()), ("K", P(None, "c"), P("c", None))],
-      (AxisType.Auto, AxisType.Explicit)):
-    options = dict(out_sharding=P()) if layout == "K" else {}
-
-    def gradients(x, kernel, drop_in=drop_in, options=options):
-      return jax.grad(lambda x, w: jnp.sum(cotangent * drop_in(x, w, **options)),
+  for (name, (drop_in, (x, kernel, cotangent), layouts)), axis_type in itertools.product(
+      drop_ins.items(), (AxisType.Auto, AxisType.Explicit)):
+    def gradients(x, kernel, drop_in=drop_in, options=None, cotangent=cotangent):
+      return jax.grad(lambda x, w: jnp.sum(cotangent * drop_in(x, w, **(options or {}))),
                       argnums=(0, 1))(x, kernel)
 
-    mesh = make_mesh("1d", axis_type)
-    arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)),
-                 jax.device_put(kernel, NamedSharding(mesh, kernel_spec)))
-    f = jax.jit(gradients)
+    for layout, x_spec, kernel_spec in layouts:
+      # A contraction split across devices: lax's takes out_sharding (the result's).
+      options = dict(out_sharding=P()) if layout in ("K", "C") else {}
+      mesh = make_mesh("1d", axis_type)
+      arguments = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+                   jax.device_put(kernel, NamedSharding(mesh, kernel_spec)))
+      f = jax.jit(functools.partial(gradients, options=options))
+      with jax.set_mesh(mesh):
+        got, compiled = f(*arguments), f.lower(*arguments).compile().as_text()
+      report(f"drop-in gradient {axis_type.name.lower()} 1d {name} {layout}", got,
+             one_device(f"gradient {name}", jax.jit(gradients), x, kernel),
+             compiled, NamedSharding(mesh, x_spec), x.size // mesh.size)
+
+
+def two_axis_split_cases():
+  """A dim split over both axes of an explicit 2-D mesh (8 shards, ``P(("r", "c"))``).
+
+  Whether a shard edge cuts a block, or a byte of packed rows, depends on the
+  shard count, the product of both axes' sizes: 6 rows a shard cut blocks of 4
+  (48 rows; 4 shards, one axis's, would hold 12: whole blocks), and 5 int4
+  columns a shard cut a byte (40 columns; 10 a shard would not). A kernel's shard
+  reads its blocks' parameters at its index among all 8.
+  """
+  mesh = make_mesh("2d", AxisType.Explicit)
+  rng = np.random.default_rng(16)
+  x = rng.standard_normal((48, 32)).astype(np.float32)
+  codes = rng.integers(-8, 8, (4, 40)).astype(jnp.int4)
+  scale = rng.uniform(0.01, 0.05, (12, 32)).astype(np.float32)
+  zero_point = rng.integers(-8, 8, (12, 32)).astype(np.int8)
+  for op, f, argument, spec in [
+      # The kernel finds each element's block from its shard's first row: the shard's index
+      # among 8, both axes' (r * 2 + c).
+      ("quantize_linear pallas blocked rows", lambda x: jq.quantize_linear(
+          x, scale, zero_point, axis=0, block_size=4, implementation="pallas"), x,
+       P(("r", "c"), None)),
+      ("dynamic_quantize_linear blocked rows", lambda x: jq.dynamic_quantize_linear(
+          x, dtype=jnp.int8, axis=0, block_size=4), x, P(("r", "c"), None)),
+      ("choose_qparams blocked rows", lambda x: jq.choose_qparams(x, axis=0, block_size=4),
+       x, P(("r", "c"), None)),
+      ("pack rows int4 columns", lambda c: jq.pack(c, layout="rows"), codes,
+       P(None, ("r", "c"))),
+  ]:
+    sharded = jax.device_put(argument, NamedSharding(mesh, spec))
     with jax.set_mesh(mesh):
-      got, compiled = f(*arguments), f.lower(*arguments).compile().as_text()
-    report(f"drop-in gradient {axis_type.name.lower()} 1d {name} {layout}", got,
-           one_device(f"gradient {name}", jax.jit(functools.partial(gradients, options={})),
-                      x, kernel),
-           compiled, NamedSharding(mesh, x_spec), x.size // mesh.size)
+      jitted = jax.jit(f)
+      got, compiled = jitted(sharded), jitted.lower(sharded).compile().as_text()
+    report(f"two-axis 2d {op} -", got, jax.jit(f)(argument), compiled,
+           NamedSharding(mesh, spec), argument.size // mesh.size)
 
 
 def checked_cases():
@@ -993,6 +1043,7 @@ if __name__ == "__main__":
   choose_qparams_cases()
   statistics_gradient_cases()
   drop_in_gradient_cases()
+  two_axis_split_cases()
   checked_cases()
   calibration_cases()
   served_model_cases()

@@ -200,6 +200,12 @@ def _straight_through_cases():
        lambda w, s=_symmetric_scale(float_kernel, (3,)): _fake_quantized(w, s))):
     cases[name] = function, (image, kernel), lambda x, w, weight=weight: (
         lax.conv_general_dilated(_fake_quantized(x, image_scale), weight(w), **conv))
+  # Batch groups: one scale for the whole input (per example would mix the groups' scales).
+  grouped = dict(conv, batch_group_count=2)
+  cases["conv_general_dilated_dynamic_int8 batch groups"] = (
+      lambda x, w: jq.conv_general_dilated_dynamic_int8(x, w, **grouped), (image, float_kernel),
+      lambda x, w, s=_symmetric_scale(image, ()), t=_symmetric_scale(float_kernel, (3,)): (
+          lax.conv_general_dilated(_fake_quantized(x, s), _fake_quantized(w, t), **grouped)))
   function, (image, kernel, scale, zero_point) = calls["conv_general_dilated_static_int8"]
   image = image * 8
   cases["conv_general_dilated_static_int8"] = function, (image, kernel, scale, zero_point), (
@@ -237,6 +243,20 @@ def test_inference_drop_ins_have_the_straight_through_derivative(name):
   tangent = np.ones_like(arrays[0])
   (_, got), (_, want) = (jax.jvp(curved(f), (arrays[0],), (tangent,)) for f in (function, reference))
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("name", STRAIGHT_THROUGH)
+def test_differentiated_drop_ins_return_the_integer_product(name):
+  """Under ``jax.jvp`` and ``jax.vjp`` (so ``jax.value_and_grad``'s loss) the int8 drop-ins'
+  value is their own integer product, bit for bit, not the float product of the fake-quantized
+  operands whose derivative they take: a training loop reports the loss the served model has."""
+  function, arrays, _ = STRAIGHT_THROUGH[name]
+  want = function(*arrays)
+  x, rest = arrays[0], arrays[1:]
+  got, _ = jax.jvp(lambda x: function(x, *rest), (x,), (jnp.ones_like(x),))
+  assert_bits_equal(got, want)
+  got, _ = jax.vjp(lambda x: function(x, *rest), x)
+  assert_bits_equal(got, want)
 
 
 def test_quantized_add_derivatives():

@@ -414,6 +414,28 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
   )
 
 
+@pytest.mark.parametrize("max_block", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
+def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(max_block, dtype):
+  """Triton's lane tile is the cap's power of two, which a cap of max_block's lanes below
+  the values per byte makes less than a byte's: the tile is rounded up to whole bytes of
+  the packed operand (else its block is empty and the strided lanes read out of bounds)."""
+  rng = np.random.default_rng(5)
+  x, scale, zero_point = _kernel_operands(rng, (6, 64), dtype, (6, 1))
+  info = _dtypes.quantized_dtype("dtype", dtype)
+  packed = jq.pack(x).reshape(6, 64 * info.bits // 8)
+  expected = jq.dequantize_linear(
+      x, scale.reshape(6), zero_point.reshape(6), axis=0, implementation="xla")
+  assert_bits_equal(
+      pallas_kernels.dequantize(
+          packed, scale, zero_point, backend="triton", interpret=True, max_block=max_block,
+          formula=functools.partial(_numerics.dequantize_formula, info=info,
+                                    output_dtype=jnp.float32),
+          output_dtype=np.dtype(jnp.float32), packed_dtype=np.dtype(dtype)),
+      expected,
+  )
+
+
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn,
                                    *FLOAT6_DTYPES])

@@ -783,6 +783,27 @@ def test_matmul_nbits_kernel_runs_for_more_than_one_output(batch, n, kernel):
     np.testing.assert_array_equal(call(a), call(a, "xla"))
 
 
+@pytest.mark.parametrize("bits, k, block_size, zero_points", [
+    (4, 100, 32, "packed"), (2, 100, 32, None), (4, 48, 16, "float"), (2, 64, 16, "float"),
+])
+def test_matmul_nbits_pallas_runs_xla_where_the_kernel_does_not_apply(bits, k, block_size,
+                                                                      zero_points):
+  """implementation="pallas" runs the XLA path, with its bits, where the fused kernel does not
+  apply: K not a multiple of block_size (a short last block, which the kernel's blocks of
+  whole rows do not hold) and float zero points (the kernel decodes uint8 codes)."""
+  rng = np.random.default_rng(bits + k)
+  n = 5
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, zero_points)
+  a = rng.standard_normal((3, k)).astype(np.float32)
+
+  def call(a, implementation="pallas"):
+    return jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
+                           block_size=block_size, implementation=implementation)
+
+  assert not uses_pallas(call, a)
+  np.testing.assert_array_equal(call(a), call(a, "xla"))
+
+
 def test_matmul_nbits_bias_is_added_to_the_rounded_product():
   """K = 1: XLA makes the dot a multiply, which XLA:CPU would fuse with the bias add
   into one FMA (one rounding); the product is rounded, then the bias added (J6)."""

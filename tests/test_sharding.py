@@ -216,13 +216,28 @@ def test_blocked_statistics_gradients_split_ties_across_shards(cases):
 @pytest.mark.slow
 def test_int8_drop_in_gradients_on_split_operands(cases):
   """The int8 drop-ins' straight-through gradients with x split along its rows or along K
-  (the kernel too), on automatic and explicit meshes: one device's to float32 rounding (a
-  float dot of one shard's shape; the kernel's gradient summed across devices where rows are
-  split), x's gradient split as x is, and no operand moved."""
+  (the kernel too), an image along its batch or its input features (the kernel's too), on
+  automatic and explicit meshes: one device's to float32 rounding (a float dot or convolution
+  of one shard's shape; the kernel's gradient summed across devices where rows are split),
+  x's gradient split as x is, and no operand moved. A contraction split on an explicit mesh
+  takes out_sharding in the derivative's float product too: without it the convolution's
+  raised a ShardingTypeError (found by mutation testing)."""
   gradients = {name: case for name, case in cases.items() if _float_gradient(name)}
-  assert len(gradients) == 8, gradients
+  assert len(gradients) == 16, gradients
   assert all(case["close"] and case["sharding"] and case["collectives"] == []
              for case in gradients.values()), gradients
+
+
+@pytest.mark.slow
+def test_dims_split_over_two_mesh_axes_count_every_axis(cases):
+  """A dim split over both axes of an explicit 2-D mesh is in as many shards as both axes
+  hold (8, not one axis's 4): blocks and packed bytes that those shards cut are reduced and
+  packed by automatic sharding, one device's bits (counted per axis, a ShardingTypeError from
+  reduce_window and a ValueError from the packed rows' split), and a kernel's shard finds its
+  blocks from its index among all 8 (r * 2 + c)."""
+  split = {name: case for name, case in cases.items() if name.startswith("two-axis")}
+  assert len(split) == 4, split
+  assert all(case["equal"] for case in split.values()), split
 
 
 @pytest.mark.slow
