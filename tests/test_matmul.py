@@ -5,12 +5,15 @@ import functools
 
 import jax
 from jax import export
+from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _dtypes
 from jaxquant import _matmul
+from jaxquant import _numerics
 import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
@@ -761,6 +764,27 @@ def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
   np.testing.assert_array_equal(jax.jit(lambda: call(jnp.asarray(a), "pallas"))(), call(a, "xla"))
   grad = lambda implementation: jax.grad(lambda a: jnp.sum(call(a, implementation) ** 2))(a)
   np.testing.assert_array_equal(grad("pallas"), grad("xla"))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_matmul_nbits_kernel_under_the_tpu_interpreter(bits):
+  """Mosaic's tiling run by Pallas's TPU interpreter, which raises on a block read out of
+  bounds (interpret=True clamps it): 2 x 3 programs, the last rows padded; XLA's bits."""
+  m, k, n, block_size = 300, 256, 384, 128
+  rng = np.random.default_rng(bits)
+  b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, "packed")
+  a = rng.standard_normal((m, k)).astype(np.float32)
+  packed, scale_rows, zero_codes = _matmul.nbits_inputs(
+      b, scales, zero_points, K=k, N=n, bits=bits, block_size=block_size)
+  assert pallas_matmul.tiling(m, n, k, block_size, "tpu") == pallas_matmul.Tiling(m=256, n=128)
+  formula = functools.partial(
+      _numerics.dequantize_formula, output_dtype=jnp.float32,
+      info=_dtypes.quantized_dtype("bits", {4: jnp.uint4, 2: jnp.uint2}[bits]))
+  y = pallas_kernels.dequantize_matmul(
+      a, packed, scale_rows, zero_codes, formula=formula, block_size=block_size, bits=bits,
+      backend="tpu", interpret=pltpu.InterpretParams())
+  assert_bits_equal(y, jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
+                                       block_size=block_size, implementation="xla"))
 
 
 @pytest.mark.parametrize("batch, n, kernel", [
