@@ -488,6 +488,17 @@ def spec_quantize(quotient, zero_point, qdtype, saturate=True):
   return quotient.astype(np.float32).astype(qdtype)
 
 
+def spec_symmetric_scale(x, reduced, dtype) -> np.ndarray:
+  """The symmetric scale the drop-ins document, in NumPy: ``max|x| / qmax`` over the
+  ``reduced`` dims (kept as size 1), NaN ignored, 1 where that maximum is 0."""
+  magnitude = np.abs(np.asarray(x, np.float32))
+  magnitude = np.max(np.where(np.isnan(magnitude), 0, magnitude), axis=reduced,
+                     keepdims=True, initial=0)
+  qmax = np.float32(ml_dtypes.iinfo(np.dtype(dtype)).max)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return np.where(magnitude == 0, np.float32(1), magnitude / qmax).astype(np.float32)
+
+
 def spec_fake_quantize(x, scale, zero_point, qdtype, axis, block_size) -> np.ndarray:
   """x quantized at a float32 scale and dequantized by the documented formulas, in x's dtype."""
   x = np.asarray(x)

@@ -18,6 +18,7 @@ from quant_testing import assert_tree_bits_equal
 from quant_testing import dtype_name
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import model_calls
+from quant_testing import spec_symmetric_scale
 from quant_testing import spec_nbits_weight
 
 
@@ -156,11 +157,9 @@ def test_dynamic_quantize_blocked_scale_derivative_splits_ties_evenly(block_size
     np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=implementation)
 
 
-def _symmetric_scale(x, kept, qmax=127):
-  """max|x| / qmax over every dim but ``kept`` (kept as size 1), 1 where that is 0, in NumPy."""
-  reduced = tuple(d for d in range(x.ndim) if d not in kept)
-  magnitude = np.max(np.abs(np.asarray(x)), axis=reduced, keepdims=True)
-  return np.where(magnitude == 0, np.float32(1), magnitude / np.float32(qmax)).astype(np.float32)
+def _symmetric_scale(x, kept, dtype=jnp.int8):
+  """The drop-ins' scale of x, one per index of the ``kept`` dims."""
+  return spec_symmetric_scale(x, tuple(d for d in range(np.ndim(x)) if d not in kept), dtype)
 
 
 def _fake_quantized(x, scale, zero_point=None, dtype=jnp.int8):
@@ -183,7 +182,7 @@ def _straight_through_cases():
   cases["dot_general_dynamic_int8 int4 x int2"] = (
       lambda x, w: jq.dot_general_dynamic_int8(x, w, dense, lhs_dtype=jnp.int4,
                                                rhs_dtype=jnp.int2), (x, w),
-      lambda x, w, s=_symmetric_scale(x, (0,), 7), t=_symmetric_scale(w, (1,), 1): (
+      lambda x, w, s=_symmetric_scale(x, (0,), jnp.int4), t=_symmetric_scale(w, (1,), jnp.int2): (
           lax.dot_general(_fake_quantized(x, s, dtype=jnp.int4),
                           _fake_quantized(w, t, dtype=jnp.int2), dense)))
   function, (x, w, scale, zero_point) = calls["dot_general_static_int8"]

@@ -18,6 +18,7 @@ from quant_testing import assert_same_under_x64
 from quant_testing import assert_tree_bits_equal
 from quant_testing import assert_vmap_is_a_loop
 from quant_testing import model_calls
+from quant_testing import spec_symmetric_scale
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -29,9 +30,7 @@ DENSE = (((1,), (0,)), ((), ()))
 
 def _symmetric(x, reduced, dtype=jnp.int8):
   """NumPy's values and scale: one scale per index of the dims not reduced."""
-  magnitude = np.abs(x).max(axis=tuple(reduced), keepdims=True)
-  qmax = np.float32(jnp.iinfo(dtype).max)
-  scale = np.where(magnitude == 0, np.float32(1), magnitude / qmax).astype(np.float32)
+  scale = spec_symmetric_scale(x, tuple(reduced), dtype)
   return np.asarray(jq.quantize_linear(x, scale, axis=None, output_dtype=dtype)), scale
 
 

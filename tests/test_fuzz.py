@@ -50,6 +50,7 @@ from quant_testing import INT32
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
 from quant_testing import spec_nbits_weight
 from quant_testing import spec_quantize
+from quant_testing import spec_symmetric_scale
 from quant_testing import summation_bound
 from quant_testing import summation_error
 from quant_testing import wrap_int32
@@ -583,12 +584,7 @@ def _dynamic_activations(rng, shape, dtype, qmax, special_rate=0.005):
 def _symmetric_oracle(x, reduced_axis, dtype):
   """x's symmetric values and scale as documented: ``max|x| / qmax`` over the reduced dim
   (NaN ignored, 1 where all zero), then :func:`quantize_linear`."""
-  magnitude = np.abs(x.astype(np.float32))
-  magnitude = np.max(np.where(np.isnan(magnitude), 0, magnitude), axis=reduced_axis,
-                     keepdims=True, initial=0)
-  qmax = np.float32(jnp.iinfo(dtype).max)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    scale = np.where(magnitude == 0, np.float32(1), magnitude / qmax).astype(np.float32)
+  scale = spec_symmetric_scale(x, reduced_axis, dtype)
   values = jq.quantize_linear(x, scale, axis=None, output_dtype=dtype)
   return np.asarray(values, np.int64), scale
 
