@@ -156,7 +156,7 @@ def _zero_point_shifted(values: jax.Array, zero_point: jax.Array | None) -> jax.
 
 
 def _static_parameters(lhs, input_scale, input_zero_point):
-  """lhs, ``input_scale`` and ``input_zero_point`` as arrays, checked."""
+  """lhs, ``input_scale`` and ``input_zero_point`` (0-d) as arrays, checked."""
   lhs = _dtypes.float_input("lhs", jnp.asarray(lhs))
   input_scale = _dtypes.scale_array("input_scale", input_scale)
   _validate.check(
@@ -171,16 +171,14 @@ def _static_parameters(lhs, input_scale, input_zero_point):
         input_zero_point.size == 1, "input_zero_point.shape", "one element (per tensor)",
         input_zero_point.shape,
     )
-  return lhs, input_scale, input_zero_point
+    input_zero_point = input_zero_point.reshape(())
+  return lhs, input_scale.reshape(()), input_zero_point
 
 
 def _static_lhs(lhs, input_scale, input_zero_point):
   """lhs as int8 at the checked per-tensor ``input_scale`` and ``input_zero_point``."""
-  return _linear.quantize_linear(
-      lhs, input_scale.reshape(()),
-      None if input_zero_point is None else input_zero_point.reshape(()),
-      axis=None, output_dtype=jnp.int8,
-  )
+  return _linear.quantize_linear(lhs, input_scale, input_zero_point, axis=None,
+                                 output_dtype=jnp.int8)
 
 
 def _matching(values, other):
@@ -233,10 +231,7 @@ def _fake_quantized_rhs(rhs: Any, reduced: Sequence[int], info=_INT8) -> jax.Arr
 def _fake_quantized_static(lhs, input_scale, input_zero_point):
   """lhs fake-quantized as :func:`_static_lhs` quantizes it (masked where it saturates)."""
   with _checked.unchecked():
-    return _fake.fake_quantize(
-        lhs, input_scale.reshape(()),
-        None if input_zero_point is None else input_zero_point.reshape(()),
-        axis=None, dtype=jnp.int8)
+    return _fake.fake_quantize(lhs, input_scale, input_zero_point, axis=None, dtype=jnp.int8)
 
 
 def _float_operand(name: str, x: Any) -> Any:
@@ -398,8 +393,7 @@ def dot_general_static_int8(
     rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting)
     return _integer_dot(
         lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding,
-        lhs_scale=scale.reshape(()), rhs_scale=rhs_scale,
-        lhs_zero_point=None if zero_point is None else zero_point.reshape(()),
+        lhs_scale=scale, rhs_scale=rhs_scale, lhs_zero_point=zero_point,
     )
 
   def fake_quantized(lhs, rhs, scale, zero_point):
@@ -956,7 +950,7 @@ def conv_general_dilated_static_int8(
     lhs_values = _static_lhs(lhs, scale, zero_point)
     rhs_values, rhs_scale = _rhs_per_output_feature(rhs, numbers)
     lhs_values, rhs_values = _matching(_zero_point_shifted(lhs_values, zero_point), rhs_values)
-    return _integer_conv(lhs_values, scale.reshape(1), rhs_values, rhs_scale, numbers,
+    return _integer_conv(lhs_values, scale, rhs_values, rhs_scale, numbers,
                          arguments, preferred_element_type, result_dtype, out_sharding)
 
   def fake_quantized(lhs, rhs, scale, zero_point):
