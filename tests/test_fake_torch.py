@@ -17,6 +17,8 @@ affine                                 dscale, dzero_point (per channel)
 fake_quantize_per_tensor_affine with   fake_quantize_dynamic: y, dx
 dynamic_quantize_linear's (s, z)
 amax, amin (tied extremes)             dynamic_quantize_linear's scale: d scale / dx
+fake_quantize_per_channel_affine of    dot_general_dynamic_int8 (straight-through):
+both operands, then a matmul           dx, dw
 =====================================  ============================================
 
 on int4, uint4, int8, uint8 and int16 (``narrow_range`` as ``quant_min =
@@ -829,3 +831,36 @@ def test_nan_and_infinity():
       axis=1, narrow_range=False, grad_factor=1.0,
   ))
   assert y[0] == qmin_value and dx[0] == 0 and dscale == 0 and dzero_point == 0
+
+
+@pytest.mark.parametrize("rhs", ["float", "stored"])
+def test_int8_drop_in_gradients_are_torchs_fake_quant_matmul(rhs):
+  """dot_general_dynamic_int8's straight-through gradients against PyTorch's autograd
+  through ``fake_quantize_per_channel_affine`` of x per row and of w per column (scales
+  ``max|.| / 127``, held constant) and a matmul. Each row's and column's maximum is
+  ``127 * 2**-k``, so every scale is a power of two and PyTorch's ``x * (1 / s)`` is
+  jaxquant's ``x / s`` (T1). The two matmuls sum in their own orders: float32 tolerance.
+  A stored kernel (its scales the same) gives the same gradient for x."""
+  rng = np.random.default_rng(31)
+  rows, depth, columns = 6, 40, 8
+  x_scale = np.exp2(rng.integers(-8, 0, rows)).astype(np.float32)
+  w_scale = np.exp2(rng.integers(-10, -4, columns)).astype(np.float32)
+  x = (rng.uniform(-1, 1, (rows, depth)) * 127 * x_scale[:, None]).astype(np.float32)
+  w = (rng.uniform(-1, 1, (depth, columns)) * 127 * w_scale).astype(np.float32)
+  x[np.arange(rows), rng.integers(0, depth, rows)] = 127 * x_scale  # the rows' maxima
+  w[rng.integers(0, depth, columns), np.arange(columns)] = -127 * w_scale
+  cotangent = rng.standard_normal((rows, columns)).astype(np.float32)
+
+  tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+  fake = lambda t, s, axis: torch.fake_quantize_per_channel_affine(
+      t, torch.tensor(s), torch.zeros(s.size, dtype=torch.int32), axis, -128, 127)
+  (fake(tx, x_scale, 0) @ fake(tw, w_scale, 1)).backward(torch.tensor(cotangent))
+
+  kernel = w if rhs == "float" else jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int8))
+  dense = (((1,), (0,)), ((), ()))
+  _, pullback = jax.vjp(lambda x, w: jq.dot_general_dynamic_int8(x, w, dense), x, kernel)
+  x_gradient, w_gradient = pullback(cotangent)
+  tolerance = dict(rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(x_gradient, tx.grad.numpy(), **tolerance)
+  if rhs == "float":
+    np.testing.assert_allclose(w_gradient, tw.grad.numpy(), **tolerance)
