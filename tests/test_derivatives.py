@@ -322,3 +322,17 @@ def test_quantized_dot_general_float_second_order():
   assert np.any(np.asarray(want[0]) != 0)
   for g, e, of in zip(got, want, ("x", "w")):
     np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4, err_msg=of)
+
+
+@pytest.mark.parametrize("name", ["dot_general_dynamic_int8", "dot_general_static_int8"])
+def test_drop_in_gradients_under_vmap_and_export(name):
+  """The straight-through gradient mapped over a batch is each example's, and exported with a
+  symbolic batch (jax.export) it runs as the jitted one."""
+  function, (x, *rest) = model_calls()[name]
+  gradient = jax.grad(lambda x: jnp.sum(jnp.sin(function(x, *rest))))
+  batch = jnp.stack([x, 2 * x, -x])
+  assert_bits_equal(jax.vmap(gradient)(batch), jnp.stack([gradient(b) for b in batch]))
+  (size,) = jax.export.symbolic_shape("b")
+  exported = jax.export.export(jax.jit(gradient))(
+      jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype))
+  assert_bits_equal(exported.call(x), jax.jit(gradient)(x))
