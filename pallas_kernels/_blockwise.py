@@ -364,8 +364,12 @@ def mesh_axes(sharding: jax.sharding.Sharding, mesh,
   if isinstance(sharding, NamedSharding):
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     return tuple(() if e is None else tuple(e) if isinstance(e, tuple) else (e,) for e in spec)
-  slices = sharding.devices_indices_map(tuple(shape)).values()
-  counts = [len({index[k].indices(n)[0] for index in slices}) for k, n in enumerate(shape)]
+  # Shard counts are read off a stand-in shape that every count divides: XLA
+  # may split a dim unevenly (3 columns over 2 devices), and the devices'
+  # slices of the real shape are then undefined. Callers keep even splits only.
+  stand_in = (mesh.size,) * len(shape)
+  slices = sharding.devices_indices_map(stand_in).values()
+  counts = [len({index[k].indices(n)[0] for index in slices}) for k, n in enumerate(stand_in)]
   axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
   splits = [[names for r in range(len(axes) + 1) for names in itertools.permutations(axes, r)
              if math.prod(mesh.shape[a] for a in names) == count] for count in counts]

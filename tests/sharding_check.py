@@ -926,6 +926,58 @@ def two_axis_split_cases():
            NamedSharding(mesh, spec), argument.size // mesh.size)
 
 
+def uneven_split_cases():
+  """Operands that XLA splits unevenly (7 rows over 8 devices, 3 bytes over 2): automatic
+  sharding allows it, and a kernel's partition callback must read such a split and gather
+  the dim rather than fail. Each op under ``jit`` on an operand constrained to such a
+  split, both implementations: one device's bits. The packed case has 6 int4 columns over
+  2 devices, a whole count of codes per shard but not of bytes."""
+  rng = np.random.default_rng(17)
+  x = rng.standard_normal((7, 12)).astype(np.float32)
+  q = rng.integers(-100, 100, (7, 12)).astype(np.int8)
+  codes = rng.integers(-8, 8, (7, 6)).astype(jnp.int4)
+  columns = rng.uniform(0.01, 0.05, 12).astype(np.float32)
+  blocked = rng.uniform(0.01, 0.05, (7, 3)).astype(np.float32)
+  # 9 rows over 4 devices, 3 a shard: XLA:CPU sums a dot of one row in another order.
+  k, n, block_size = 64, 64, 32
+  a = rng.standard_normal((9, k)).astype(np.float32)
+  weight = (rng.integers(0, 256, (n, k // block_size, block_size // 2), np.uint8),
+            rng.uniform(0.01, 0.05, (n, k // block_size)).astype(np.float32),
+            rng.integers(0, 256, (n, k // block_size // 2), np.uint8))
+  for implementation in ("xla", "pallas"):
+    impl = dict(implementation=implementation)
+    for case, mesh_name, spec, f, argument in [
+        ("quantize_linear per-tensor rows", "1d", P("c", None), lambda x: jq.quantize_linear(
+            x, np.float32(0.02), np.int8(3), **impl), x),
+        ("quantize_linear per-axis columns", "1d", P(None, "c"), lambda x: jq.quantize_linear(
+            x, columns, axis=1, **impl), x),
+        ("quantize_linear blocked rows", "1d", P("c", None), lambda x: jq.quantize_linear(
+            x, blocked, axis=1, block_size=4, output_dtype=jnp.int4, **impl), x),
+        ("dequantize_linear per-axis rows", "1d", P("c", None), lambda q: jq.dequantize_linear(
+            q, columns, axis=1, **impl), q),
+        ("dequantize_linear(packed rows) columns", "2d", P(None, "c"),
+         lambda p: jq.dequantize_linear(p, np.float32(0.5), packed_shape=codes.shape,
+                                        packed_dtype=jnp.int4, **impl),
+         jq.pack(codes, layout="rows")),
+        ("dynamic_quantize_linear per-tensor rows", "1d", P("c", None),
+         lambda x: jq.dynamic_quantize_linear(x, **impl), x),
+        ("dynamic_quantize_linear per-row rows", "1d", P("c", None),
+         lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0, **impl), x),
+        ("quantized_add rows", "1d", P("c", None), lambda q: jq.quantized_add(
+            q, 0.02, 1, q.T.reshape(q.shape), 0.03, -2, 0.04, 0, **impl), q),
+        ("matmul_nbits rows", "2d", P("r", None), lambda a: jq.matmul_nbits(
+            a, *weight, K=k, N=n, block_size=block_size, **impl), a),
+    ]:
+      mesh = make_mesh(mesh_name)
+
+      def constrained(argument, f=f, sharding=NamedSharding(mesh, spec)):
+        return f(jax.lax.with_sharding_constraint(argument, sharding))
+
+      jitted = jax.jit(constrained)
+      report(f"uneven {mesh_name} {implementation} {case} -", jitted(argument),
+             jax.jit(f)(argument), None, NamedSharding(mesh, P()), argument.size)
+
+
 def checked_cases():
   """``checked`` of a jitted per-column quantize, x and its parameters split along the
   columns: good values give one device's bits with x's split and move nothing; a bad
@@ -1044,6 +1096,7 @@ if __name__ == "__main__":
   statistics_gradient_cases()
   drop_in_gradient_cases()
   two_axis_split_cases()
+  uneven_split_cases()
   checked_cases()
   calibration_cases()
   served_model_cases()

@@ -241,6 +241,18 @@ def test_dims_split_over_two_mesh_axes_count_every_axis(cases):
 
 
 @pytest.mark.slow
+def test_uneven_splits_run_with_one_devices_bits(cases):
+  """An operand that automatic sharding splits unevenly (7 rows over 8 devices; 6 int4
+  columns, 3 bytes, over 2): every op on both paths gives one device's bits. A kernel's
+  partition callback read such a split through the operand's real shape, which JAX
+  refuses for an uneven split (IndivisibleError, before the fix); one whose packed
+  bytes a shard cannot hold whole is gathered."""
+  uneven = {name: case for name, case in cases.items() if name.startswith("uneven")}
+  assert len(uneven) == 18, sorted(uneven)
+  assert [name for name, case in uneven.items() if not case["equal"]] == []
+
+
+@pytest.mark.slow
 def test_shards_of_one_row_read_their_blocks_parameters(cases):
   """Blocks of rows cut by one-row shards: one device's bits, x never gathered.
 
