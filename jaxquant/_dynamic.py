@@ -36,30 +36,29 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
   reduce while compiling (1.4 s for a million elements, measured), whether
   or not the branch ever runs. (``plain`` keeps its own reductions unfolded.)
 
-  Under ``vmap`` the predicate would be batched, and JAX would turn the
-  ``cond`` into a select that runs both branches for every example: the
-  batched call instead takes the NaN-aware branch only when some example has
-  a NaN, and keeps ``plain``'s statistics for the examples without one (the
-  same bits as example by example). Derivatives are those of the ``cond``.
+  Under ``vmap`` the predicate is whether any example has a NaN
+  (:func:`_any_example`), not batched: the ``cond`` stays one, taking the
+  NaN-aware branch only when some example needs it, and keeps ``plain``'s
+  statistics for the examples without one (the same bits as example by
+  example). Derivatives are JAX's own for the ``cond``, in any order with
+  ``vmap``. (A batched predicate would make JAX turn the ``cond`` into a
+  select that runs both branches for every example, and, differentiated
+  first, guard its tangent operands with ``stop_gradient``, which has no
+  transpose: ``grad`` of ``vmap`` raised.)
   """
 
   def redone(x):
     return nan_aware(prepare(_numerics.unfolded(x)))
 
-  def where_nan(x, result, redo, batch_dims):
+  def where_nan(x, result, redo):
     """``result``, with ``redo(x)``'s in its place where (per example) a NaN came out."""
-    nan = functools.reduce(jnp.logical_or, [
-        jnp.any(jnp.isnan(r), axis=tuple(range(batch_dims, r.ndim)))
-        for r in jax.tree.leaves(result)])
+    nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(r)) for r in jax.tree.leaves(result)])
 
     def chosen(x, result, nan):
       def replaced(x):
-        return jax.tree.map(
-            lambda new, old: jnp.where(nan.reshape(nan.shape + (1,) * (old.ndim - nan.ndim)),
-                                       new, old),
-            redo(x), result)
+        return jax.tree.map(lambda new, old: jnp.where(nan, new, old), redo(x), result)
 
-      return lax.cond(jnp.any(nan), replaced, lambda _: result, x)
+      return lax.cond(_any_example(nan), replaced, lambda _: result, x)
 
     if not _sharding.split_dims(x):
       return chosen(x, result, nan)
@@ -70,24 +69,22 @@ def _ignoring_nan(plain, nan_aware, nan_aware_in_one_pass, x, prepare):
     return _sharding.placed(
         chosen, jax.tree.map(lambda r: jax.typeof(r).sharding, result), x, result, nan)
 
-  def plain_unless_nan(x):
-    return where_nan(x, plain(prepare(x)), redone, 0)
-
-  @jax.custom_batching.custom_vmap
-  def batched_plain_unless_nan(x):
-    return plain_unless_nan(x)
-
-  @batched_plain_unless_nan.def_vmap
-  def _(axis_size, in_batched, x):
-    del axis_size, in_batched  # x, the one operand, batched along its leading dim
-    result = where_nan(x, jax.vmap(lambda x: plain(prepare(x)))(x), jax.vmap(redone), 1)
-    return result, jax.tree.map(lambda _: True, result)
-
-  on_cpu = jax.custom_jvp(batched_plain_unless_nan)
-  on_cpu.defjvp(lambda primals, tangents: jax.jvp(plain_unless_nan, primals, tangents))
   return lax.platform_dependent(
-      x, cpu=on_cpu,
+      x, cpu=lambda x: where_nan(x, plain(prepare(x)), redone),
       default=lambda x: nan_aware_in_one_pass(prepare(_numerics.unfolded(x))))
+
+
+@jax.custom_batching.custom_vmap
+def _any_example(flag: jax.Array) -> jax.Array:
+  """``flag``, a scalar bool; under ``vmap``, whether any example's is set, not batched."""
+  return flag
+
+
+@_any_example.def_vmap
+def _(axis_size, in_batched, flag):
+  del axis_size, in_batched  # flag, the one operand, batched along its leading dim
+  # Again through _any_example: an outer vmap batches this reduction's result too.
+  return _any_example(jnp.any(flag, axis=0)), False
 
 
 def _reduce(values, initial, combine, axes, *, keepdims=False, windows=None):

@@ -690,6 +690,13 @@ def test_vmap_redoes_the_statistics_only_for_examples_with_a_nan(kwargs):
     assert_vmap_is_a_loop(function, [[example] for example in examples], [0])
   compiled = jax.jit(jax.vmap(quantize)).lower(examples).compile().as_text()
   assert " conditional(" in compiled
+  nested = jax.jit(jax.vmap(jax.vmap(quantize))).lower(examples[None]).compile().as_text()
+  assert " conditional(" in nested
+  # Differentiated outside vmap: JAX guarded a batched cond's tangent operands with
+  # stop_gradient, which has no transpose (grad of vmap raised NotImplementedError).
+  scale = lambda x: quantize(x)[1].sum()
+  assert_outputs_equal(jax.grad(lambda x: jnp.sum(jax.vmap(scale)(x)))(examples),
+                       jax.vmap(jax.grad(scale))(examples))
 
 
 @pytest.mark.slow
