@@ -283,6 +283,8 @@ def _sharded(
 
   @batchable.def_vmap
   def _(axis_size, in_batched, *arrays):
+    if axis_size == 0:
+      return _empty_batch(partitioned, arrays, in_batched), (True,) * result_count
     arrays = [a if b else a[None] for a, b in zip(arrays, in_batched)]
     outputs = _sharded(
         run, arrays, [(a.shape[0], *shape) for a, shape in zip(arrays, logical)],
@@ -302,6 +304,17 @@ def _sharded(
   out_sharding = result_shardings(mesh, split_axes(mesh, [jax.typeof(a) for a in arrays]))
   with jax.sharding.use_abstract_mesh(mesh):
     return tuple(jax.sharding.auto_axes(batchable, out_sharding=out_sharding)(*arrays))
+
+
+def _empty_batch(function, arrays, in_batched):
+  """``vmap(function)``'s results over a batch of none: empty arrays of their shapes.
+
+  A kernel's grid over no rows would have tiles of none, so nothing is run.
+  """
+  example = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+             for a, b in zip(arrays, in_batched)]
+  return jax.tree.map(lambda r: jnp.zeros((0, *r.shape), r.dtype),
+                      jax.eval_shape(function, *example))
 
 
 def _shard_index(mesh, names: tuple[str, ...]) -> jax.Array:

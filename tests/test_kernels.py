@@ -256,6 +256,34 @@ def test_empty_and_scalar(shape):
     assert_bits_equal(actual, expected)
 
 
+_EMPTY_BATCH_OPS = {
+    "quantize_linear blocked": lambda x, implementation: jq.quantize_linear(
+        x, jnp.full((4, 2), 0.1), axis=1, block_size=32, output_dtype=jnp.int4,
+        implementation=implementation),
+    "dequantize_linear packed": lambda x, implementation: jq.dequantize_linear(
+        jq.pack(x.astype(jnp.int4)), 0.1, packed_shape=x.shape, implementation=implementation),
+    "dynamic_quantize_linear per row": lambda x, implementation: jq.dynamic_quantize_linear(
+        x, dtype=jnp.int8, axis=0, implementation=implementation),
+    "quantized_add": lambda x, implementation: jq.quantized_add(
+        x.astype(jnp.int8), 0.1, 0, x.astype(jnp.int8), 0.1, 0, 0.2, 0,
+        implementation=implementation),
+    "matmul_nbits": lambda x, implementation: jq.matmul_nbits(
+        x, jnp.zeros((8, 2, 16), jnp.uint8), jnp.ones((8, 2)), K=64, N=8, block_size=32,
+        implementation=implementation),
+}
+
+
+@pytest.mark.parametrize("op", _EMPTY_BATCH_OPS)
+def test_vmap_over_an_empty_batch(op):
+  """vmap over no examples gives XLA's empty results (a kernel's batched grid divided by
+  tiles of no rows: ZeroDivisionError)."""
+  batch = jnp.zeros((0, 4, 64), jnp.float32)
+  results = {implementation: jax.vmap(functools.partial(
+      _EMPTY_BATCH_OPS[op], implementation=implementation))(batch)
+             for implementation in ("pallas", "xla")}
+  chex.assert_trees_all_equal_shapes_and_dtypes(results["pallas"], results["xla"])
+
+
 class TransformationsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
