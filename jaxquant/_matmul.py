@@ -237,6 +237,11 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   (lhs_contracting, _), _ = dimension_numbers
   if lhs.dtype != _INT8 or rhs.dtype != _INT8 or len(lhs_contracting) != 1:
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  # Every platform's exact dot is chosen by the depth (the bfloat16 dot's slices),
+  # and each platform's branch is traced for any export.
+  depth = lhs.shape[lhs_contracting[0]]
+  _validate.check(isinstance(depth, int), "the contracting dim",
+                  "static (jax.export: a symbolic batch, not a symbolic depth)", depth)
   bfloat16 = functools.partial(exact_bfloat16_dot, dimension_numbers=dimension_numbers)
 
   def on_cpu(lhs, rhs):

@@ -455,3 +455,18 @@ def test_learnable_parameters_export_where_each_scale_covers_a_static_count():
   _assert_leaves_equal(got, want, "blocks of 16")
   with pytest.raises(ValueError, match="keeping every symbolic dim.* got 64\\*b elements"):
     export.export(learnable)(kernel, jq.QuantizationRule(dtype=jnp.int4))
+
+
+@pytest.mark.parametrize("name, call", [
+    ("matmul_integer", lambda a, b: jq.matmul_integer(a, b)),
+    # The innermost public op names an error.
+    ("quantized_dot_general", lambda a, b: jq.dot_general_dynamic_int8(
+        a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())))),
+])
+def test_a_symbolic_contraction_depth_is_a_named_error(name, call):
+  """The exact int8 dot is chosen by its depth on every platform: a symbolic depth is
+  refused by name (it was JAX's InconclusiveDimensionOperation from inside the dot)."""
+  depth, = export.symbolic_shape("k")
+  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int8)
+  with pytest.raises(ValueError, match=f"{name}: the contracting dim must be static"):
+    export.export(jax.jit(call))(spec((3, depth)), spec((depth, 4)))
