@@ -90,10 +90,10 @@ def tiling(m: int, n: int, k: int, block_size: int, backend: str) -> Tiling:
   """The default tiling for x (m, K) against a weight (n, K) on ``backend``."""
   if backend == "triton":
     # Powers of two, at least 16 per dim for tl.dot; K in steps of 256 or
-    # the block size, whichever is larger, when that divides K.
+    # the block size, whichever is larger, or of the largest power of two that
+    # divides K (a whole number of blocks: K is a multiple of the block size).
     pow2 = lambda d, cap: min(max(16, 1 << max(d - 1, 0).bit_length()), cap)
-    step = max(256, block_size)
-    return Tiling(m=pow2(m, 64), n=pow2(n, 64), k=step if k % step == 0 else None)
+    return Tiling(m=pow2(m, 64), n=pow2(n, 64), k=min(max(256, block_size), k & -k))
   return Tiling(m=m if m <= 256 else 256, n=next((t for t in (256, 128) if n % t == 0), n))
 
 

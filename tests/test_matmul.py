@@ -862,9 +862,12 @@ def test_matmul_nbits_bias_sum_of_zeros_takes_ieee_sign():
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_matmul_nbits_kernel_lowers(platform, bits):
-  """Mosaic (TPU) and Triton (CUDA, four steps through K) lower the fused kernel, from this CPU."""
-  k, n, block_size = 1024, 256, 32
+@pytest.mark.parametrize("k, block_size", [(1024, 32), (96, 32), (640, 128)])
+def test_matmul_nbits_kernel_lowers(platform, bits, k, block_size):
+  """Mosaic (TPU) and Triton (CUDA) lower the fused kernel, from this CPU. Triton steps
+  through K in powers of two: 256 at a time, or a power of two of whole blocks where 256
+  does not divide K (96 in blocks of 32: it took all of K, no power of two, and failed)."""
+  n = 256
   b, scales, zero_points = _nbits_case(np.random.default_rng(0), bits, k, n, block_size, "packed")
   call = lambda a: jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
                                    block_size=block_size, implementation="pallas")
@@ -996,6 +999,8 @@ def test_triton_tiling_steps_through_k(bits, tiles):
                                                      block_size=block_size)
   formula = lambda codes, s, z: (codes.astype(jnp.float32) - z.astype(jnp.float32)) * s
   assert pallas_matmul.tiling(5, n, k, block_size, "triton").k == 256
+  assert [pallas_matmul.tiling(5, n, depth, size, "triton").k
+          for depth, size in [(96, 32), (640, 128), (48, 16), (1024, 512)]] == [32, 128, 16, 512]
   y = pallas_kernels.dequantize_matmul(a, packed, scales, zero_codes, formula=formula,
                                        block_size=block_size, bits=bits, backend="triton",
                                        interpret=True, tiles=tiles)
