@@ -284,7 +284,7 @@ def _sharded(
   @batchable.def_vmap
   def _(axis_size, in_batched, *arrays):
     if axis_size == 0:
-      return _empty_batch(partitioned, arrays, in_batched), (True,) * result_count
+      return empty_batch(partitioned, arrays, in_batched), (True,) * result_count
     arrays = [a if b else a[None] for a, b in zip(arrays, in_batched)]
     outputs = _sharded(
         run, arrays, [(a.shape[0], *shape) for a, shape in zip(arrays, logical)],
@@ -306,7 +306,7 @@ def _sharded(
     return tuple(jax.sharding.auto_axes(batchable, out_sharding=out_sharding)(*arrays))
 
 
-def _empty_batch(function, arrays, in_batched):
+def empty_batch(function, arrays, in_batched):
   """``vmap(function)``'s results over a batch of none: empty arrays of their shapes.
 
   A kernel's grid over no rows would have tiles of none, so nothing is run.

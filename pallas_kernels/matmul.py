@@ -249,7 +249,7 @@ def _partitioned(kernel: Callable[..., jax.Array], x: jax.Array,
   @batchable.def_vmap
   def _(axis_size, in_batched, x, *weight):
     if axis_size == 0:
-      return _blockwise._empty_batch(kernel, (x, *weight), in_batched), True
+      return _blockwise.empty_batch(kernel, (x, *weight), in_batched), True
     if any(in_batched[1:]):
       return jax.vmap(kernel, in_axes=[0 if b else None for b in in_batched])(x, *weight), True
     return _partitioned(kernel, x, *weight), True
