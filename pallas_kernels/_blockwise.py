@@ -54,14 +54,19 @@ def _dispatch(
     backend: Backend | None,
     interpret: bool,
     xla: Callable[[Sequence[jax.Array]], tuple[jax.Array, ...]],
+    result_dtypes: Sequence[np.dtype],
 ) -> tuple[jax.Array, ...]:
   """``call(arrays, backend=..., interpret=..., divide_asm=...)`` for the platform lowered to.
 
-  ``xla(arrays)`` computes the same results without a kernel: Triton has no
-  grid whose size is known only at run time, so on CUDA and ROCm a symbolic
-  dim (``jax.export``) runs the formula as XLA code.
+  ``xla(arrays)`` computes the same results without a kernel, which CUDA and
+  ROCm run where Triton cannot: a symbolic dim (``jax.export``; Triton has no
+  grid whose size is known only at run time), or an operand or result of a
+  dtype a Triton kernel cannot hold (:func:`triton_holds`).
   """
+  triton_cannot = not triton_holds([a.dtype for a in arrays], result_dtypes)
   if backend is not None:
+    if backend == "triton" and not interpret and triton_cannot:
+      return xla(arrays)
     return call(arrays, backend=backend, interpret=interpret,
                 divide_asm=backend == "triton" and not interpret)
 
@@ -71,7 +76,7 @@ def _dispatch(
     )
 
   symbolic = any(_tiling.symbolic(n) for a in arrays for n in a.shape)
-  triton = (lambda *arrays: xla(arrays)) if symbolic and not interpret else None
+  triton = (lambda *arrays: xla(arrays)) if (symbolic or triton_cannot) and not interpret else None
   return tuple(_platforms.per_platform(
       arrays,
       tpu=on("tpu", interpret=interpret),
@@ -79,6 +84,28 @@ def _dispatch(
       rocm=triton or on("triton", interpret=interpret),
       default=on("tpu", interpret=True),
   ))
+
+
+# What a Triton kernel reads and writes exactly as XLA lays it out and
+# converts as XLA does. XLA:GPU packs sub-byte arrays two or four to a byte,
+# which a Triton kernel would read and write as one per byte (out of bounds:
+# CUDA_ERROR_ILLEGAL_ADDRESS on an H100); Triton cannot convert to
+# float8_e8m0fnu or the fnuz float8s, and its conversions to float8 saturate
+# (PTX ``cvt .satfinite``) where XLA's give NaN.
+_TRITON_READS = frozenset(np.dtype(d) for d in (
+    jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.uint16, jnp.int32, jnp.uint32, jnp.int64,
+    jnp.uint64, jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.float8_e4m3fn,
+    jnp.float8_e5m2))
+_TRITON_WRITES = _TRITON_READS - {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+
+
+def triton_holds(operand_dtypes: Sequence[np.dtype], result_dtypes: Sequence[np.dtype]) -> bool:
+  """Whether a Triton kernel can read these operands and write these results exactly.
+
+  Where it cannot, the kernels run their XLA twin on CUDA and ROCm.
+  """
+  return ({np.dtype(d) for d in operand_dtypes} <= _TRITON_READS
+          and {np.dtype(d) for d in result_dtypes} <= _TRITON_WRITES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,7 +764,8 @@ def elementwise(
         args[i] = decode(_codes(array, per_byte[i])) if per_byte[i] > 1 else array
       return tuple(jnp.broadcast_to(r, out_shape) for r in formula(*args))
 
-    results = _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla)
+    results = _dispatch(call, arrays, backend=backend, interpret=interpret, xla=xla,
+                        result_dtypes=result_dtypes)
     return tuple(restore(r) for r in results)
 
   return _sharded(run, arrays, logical, out_shape, result_count=len(result_dtypes),
@@ -845,7 +873,8 @@ def reduce(
       (x,) = arrays
       return tuple(reduction(x, tuple(d for d, k in enumerate(keep) if not k)))
 
-    results = _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla)
+    results = _dispatch(call, [x], backend=backend, interpret=interpret, xla=xla,
+                        result_dtypes=result_dtypes)
     return tuple(r.reshape(blocked_shape) for r in results)
 
   def combine(partials, axis):

@@ -89,11 +89,14 @@ class Tiling:
 def tiling(m: int, n: int, k: int, block_size: int, backend: str) -> Tiling:
   """The default tiling for x (m, K) against a weight (n, K) on ``backend``."""
   if backend == "triton":
-    # Powers of two, at least 16 per dim for tl.dot; K in steps of 256 or
+    # Powers of two, at least 16 per dim for tl.dot; K in steps of 64 or
     # the block size, whichever is larger, or of the largest power of two that
     # divides K (a whole number of blocks: K is a multiple of the block size).
+    # On an H100 (benchmarks/kernels.py --sweep, K = N = 4096) 32 weight rows
+    # by 64 of K ran 10-15x faster than 64 by 256 for 1-128 rows of x: the
+    # decoded tile stays small.
     pow2 = lambda d, cap: min(max(16, 1 << max(d - 1, 0).bit_length()), cap)
-    return Tiling(m=pow2(m, 64), n=pow2(n, 64), k=min(max(256, block_size), k & -k))
+    return Tiling(m=pow2(m, 64), n=pow2(n, 32), k=min(max(64, block_size), k & -k))
   return Tiling(m=m if m <= 256 else 256, n=next((t for t in (256, 128) if n % t == 0), n))
 
 

@@ -769,6 +769,17 @@ LOWERING_CASES = {
 }
 
 
+# A Triton kernel cannot hold these cases' sub-byte operands or results (XLA:GPU
+# packs them; one per byte, an H100 ran out of bounds) or write float8 as XLA
+# converts to it: CUDA runs their XLA twin (pallas_kernels._blockwise.triton_holds),
+# all but the int4 dynamic quantize's statistics, a float32 reduction.
+CUDA_RUNS_XLA = frozenset({
+    "dequantize int4 blocked 32 -> f16", "dequantize packed int2 blocked 32 -> bf16",
+    "quantize bf16 -> float8_e5m2 per-tensor", "quantize f32 -> int4 blocked 128",
+    "dynamic_quantize per-block 32 int4, odd rank 3",
+})
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=str)
 def test_kernel_lowers_for_hardware(case, platform):
@@ -776,6 +787,9 @@ def test_kernel_lowers_for_hardware(case, platform):
   text = jax.jit(function).trace(*args).lower(lowering_platforms=(platform,)).as_text()
   if platform == "tpu":
     assert "tpu_custom_call" in text
+  elif case in CUDA_RUNS_XLA:
+    assert ("__gpu$xla.gpu.triton" in text) == case.startswith("dynamic")
+    assert "div.rn.f32" not in text
   else:
     assert "__gpu$xla.gpu.triton" in text
     # Triton's own float32 division is approximate: quantize must divide with
@@ -794,12 +808,22 @@ def test_kernels_lower_for_rocm_without_ptx():
   assert "__gpu$xla.gpu.triton" in text and "div.rn.f32" not in text
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=(
-    "Known limit: Triton's NVIDIA backend has no float8_e4m3fnuz (an AMD format); "
-    "implementation='pallas' with it fails when lowered for CUDA. Use 'xla' there."))
-def test_float8_e4m3fnuz_on_cuda():
-  jax.jit(lambda x: jq.dequantize_linear(x, 2.0, implementation=P)).trace(
-      jnp.zeros((64, 256), jnp.float8_e4m3fnuz)).lower(lowering_platforms=("cuda",))
+def test_dtypes_triton_cannot_hold_run_xla_on_cuda():
+  # Triton's NVIDIA backend has no float8_e4m3fnuz (an AMD format; lowering
+  # raised NotImplementedError) and reads int4 one per byte where XLA:GPU packs
+  # two (an H100 ran out of bounds): CUDA runs XLA, with XLA's bits.
+  calls = {
+      jnp.float8_e4m3fnuz: lambda x: jq.dequantize_linear(x, 2.0, implementation=P),
+      jnp.int4: lambda x: jq.dequantize_linear(x, 2.0, implementation=P),
+      jnp.float32: lambda x: jq.quantize_linear(x, 2.0, output_dtype=jnp.int4,
+                                                implementation=P),
+  }
+  for dtype, call in calls.items():
+    x = jnp.zeros((64, 256), dtype)
+    text = jax.jit(call).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" not in text, dtype
+    assert "tpu_custom_call" in jax.jit(call).trace(x).lower(
+        lowering_platforms=("tpu",)).as_text(), dtype
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
@@ -875,6 +899,10 @@ def test_bfloat16_precision_quantize_lowers(options, platform):
   options = {"scale": 2.0, **options}
   f = lambda x: jq.quantize_linear(x, implementation=P, **options)
   text = jax.jit(f).trace(jnp.zeros((64, 256))).lower(lowering_platforms=(platform,)).as_text()
+  if platform == "cuda" and "output_dtype" in options:
+    # Triton cannot write float8 as XLA converts to it: CUDA runs XLA (CUDA_RUNS_XLA).
+    assert "__gpu$xla.gpu.triton" not in text
+    return
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
   assert "reduce_precision" not in text
 

@@ -998,7 +998,8 @@ def test_triton_tiling_steps_through_k(bits, tiles):
   packed, scales, zero_codes = _matmul.nbits_inputs(b, scales, zero_points, K=k, N=n, bits=bits,
                                                      block_size=block_size)
   formula = lambda codes, s, z: (codes.astype(jnp.float32) - z.astype(jnp.float32)) * s
-  assert pallas_matmul.tiling(5, n, k, block_size, "triton").k == 256
+  assert pallas_matmul.tiling(5, n, k, block_size, "triton") == pallas_matmul.Tiling(
+      m=16, n=32, k=64)
   assert [pallas_matmul.tiling(5, n, depth, size, "triton").k
           for depth, size in [(96, 32), (640, 128), (48, 16), (1024, 512)]] == [32, 128, 16, 512]
   y = pallas_kernels.dequantize_matmul(a, packed, scales, zero_codes, formula=formula,

@@ -142,6 +142,39 @@ def test_division_lowers_per_platform():
     assert ("stablehlo.divide" in text and ("xf64>" in text) == wide), platform
 
 
+def test_float16_rounding_without_casts_is_the_cast():
+  """CUDA's float16 rounding (XLA:GPU drops the cast pair) against NumPy's float32 -> float16."""
+  rng = np.random.default_rng(3)
+  half = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+  half = np.unique(half[np.isfinite(half)].astype(np.float64))
+  ties = ((half[1:] + half[:-1]) / 2).astype(np.float32)  # exact: 12 significant bits
+  half = half.astype(np.float32)
+  x = np.concatenate([
+      rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32),
+      half, np.nextafter(half, np.inf), np.nextafter(half, -np.inf),
+      ties, np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf),
+      np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.996, 65520.0, 2.0**-14,
+                  2.0**-24, 2.0**-25, -(2.0**-25), 3 * 2.0**-26, 2.0**-14 - 2.0**-25]),
+  ])
+  # This CPU reads float32 subnormals as zero (J1); they round to a float16 zero anyway.
+  x = x[~((x != 0) & (np.abs(x) < np.finfo(np.float32).tiny))]
+  with np.errstate(over="ignore"):
+    want = x.astype(np.float16).astype(np.float32)
+  got = np.asarray(jax.jit(_numerics.round_to_float16_without_casts)(x))
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_float16_rounding_lowers_per_platform():
+  """One program: float16 rounding by reduce_precision for CUDA, by the cast pair elsewhere."""
+  round_ = jax.jit(lambda x: _numerics.round_to(x, np.float16))
+  for platform, arithmetic in (("cuda", True), ("cpu", False), ("tpu", False)):
+    text = round_.trace(jnp.ones(8)).lower(lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.reduce_precision" in text) == arithmetic, platform
+    assert ("xf16>" in text) != arithmetic, platform
+
+
 def _round_once(x, dtype):
   """float64 x rounded once, to nearest even, to dtype (normal range): NumPy's own
   float64 -> float16 cast, and for bfloat16 its 7 mantissa bits kept from float64's 52."""
