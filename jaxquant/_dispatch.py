@@ -47,15 +47,17 @@ class Route:
 # Only these are picked by ``implementation=None``, and only on that platform:
 # the choice is made when the program is lowered, so one exported program runs
 # the kernel where it was measured faster and XLA elsewhere.
-# CUDA: of the kernels timed on an H100 (benchmarks/results/h100-kernels.md),
-# only blocked int4 dequantization was clearly faster, reading packed bytes
-# (to bfloat16); the int8 ones ran at 0.91x to 1.15x XLA's speed depending on
-# the output dtype and layout, so XLA keeps them. An int4 array one value per
-# byte is not listed: it was not timed, and Triton has no 4-bit memory type.
+# CUDA (an H100, three runs at 16M and 64M elements; docs/numerics.md): the
+# quantized add and the per-row dynamic quantize kernels were faster in every
+# run; the others were slower in at least one (blocked int4 dequantization,
+# listed from an earlier run, 0.68x at 64M: XLA's own got faster).
 # On CPU the kernels run in interpret mode, orders of magnitude slower than
 # XLA; TPU is not yet timed.
 PALLAS_FASTER: dict[str, frozenset[Route]] = {
-    "cuda": frozenset({Route("dequantize_linear", "int4", "blocked", packed=True)}),
+    "cuda": frozenset({
+        Route("quantized_add", "int8", "per-tensor"),
+        Route("dynamic_quantize_linear", "int8", "per-axis"),
+    }),
 }
 
 

@@ -105,7 +105,11 @@ def _signed(
     x = lax.bitcast_convert_type(x ^ np.uint8(0x80), jnp.int8)
     zero_point = jnp.int32(-128) if zero_point is None else zero_point - 128
   elif info.bits < 8:
-    x = x.astype(jnp.int8)
+    # On CUDA the widened copy is written before the dot: XLA:GPU fused the
+    # int4 -> int8 -> bfloat16 conversion into its dot and then compiled no
+    # candidate for it ("No candidates could be compiled", an H100).
+    x = lax.platform_dependent(x.astype(jnp.int8), cuda=lax.optimization_barrier,
+                               default=lambda x: x)
   elif info.bits > 8:
     x = x.astype(jnp.int32)
   return x, zero_point
@@ -234,9 +238,17 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
     ((5, 7) x (7, 3): every element doubled; jax 0.11.2, H100).
   * Elsewhere: the int8 dot.
   """
-  (lhs_contracting, _), _ = dimension_numbers
-  if lhs.dtype != _INT8 or rhs.dtype != _INT8 or len(lhs_contracting) != 1:
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  if lhs.dtype != _INT8 or rhs.dtype != _INT8:
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
+  if len(lhs_contracting) != 1:
+    # One contracting dim, so that every platform takes its exact dot (XLA:GPU's
+    # int8 dot over two contracting dims was wrong on an H100): each operand's
+    # contracting dims moved last, in pairing order, and merged, a copy of both.
+    lhs, lhs_batch = _merged_contracting(lhs, lhs_contracting, lhs_batch)
+    rhs, rhs_batch = _merged_contracting(rhs, rhs_contracting, rhs_batch)
+    dimension_numbers = (((lhs.ndim - 1,), (rhs.ndim - 1,)), (lhs_batch, rhs_batch))
+    (lhs_contracting, _), _ = dimension_numbers
   # Every platform's exact dot is chosen by the depth (the bfloat16 dot's slices),
   # and each platform's branch is traced for any export.
   depth = lhs.shape[lhs_contracting[0]]
@@ -260,6 +272,14 @@ def _int8_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32)
 
   return lax.platform_dependent(lhs, rhs, cpu=on_cpu, cuda=bfloat16, default=int8)
+
+
+def _merged_contracting(x: jax.Array, contracting, batch) -> tuple[jax.Array, tuple[int, ...]]:
+  """``x`` with its ``contracting`` dims as one last dim, and where its ``batch`` dims went."""
+  kept = [d for d in range(x.ndim) if d not in contracting]
+  merged = jnp.transpose(x, kept + list(contracting)).reshape(
+      [x.shape[d] for d in kept] + [math.prod(x.shape[d] for d in contracting)])
+  return merged, tuple(kept.index(d) for d in batch)
 
 
 def exact_bfloat16_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,

@@ -46,21 +46,23 @@ def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
   cast = lambda x: x.astype(dtype).astype(x.dtype)
   if np.dtype(dtype) != np.float16 or x.dtype != np.float32:
     return cast(x)
-  return lax.platform_dependent(x, cuda=round_to_float16_without_casts, default=cast)
+  return lax.platform_dependent(
+      x, cuda=lambda x: round_without_casts(x, dtype), default=cast)
 
 
-def round_to_float16_without_casts(x: jax.Array) -> jax.Array:
-  """float32 ``x`` rounded to float16 (nearest even, subnormals kept), as float32, by arithmetic.
+def round_without_casts(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``x`` rounded to the narrower float ``dtype`` (nearest even, subnormals kept), by arithmetic.
 
-  ``reduce_precision`` rounds the normal range and overflows as the cast
-  does; below float16's smallest normal the value is rounded on the
-  subnormal grid, an integer multiple of 2**-24, scaled exactly by powers of two.
+  For XLA:GPU, which drops a cast down and back up. ``reduce_precision``
+  rounds the normal range and overflows as the cast does; below ``dtype``'s
+  smallest normal the value is rounded on the subnormal grid, an integer
+  multiple of the smallest subnormal, scaled exactly by powers of two.
   """
-  info = jnp.finfo(jnp.float16)
-  quantum = np.float32(info.smallest_subnormal)
+  info = jnp.finfo(dtype)
+  quantum = np.asarray(info.smallest_subnormal, x.dtype)
   normal = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   subnormal = jnp.round(x * (1 / quantum)) * quantum
-  return jnp.where(jnp.abs(x) < np.float32(info.smallest_normal), subnormal, normal)
+  return jnp.where(jnp.abs(x) < np.asarray(info.smallest_normal, x.dtype), subnormal, normal)
 
 
 def _float32_to_odd(x: jax.Array) -> jax.Array:
@@ -70,7 +72,10 @@ def _float32_to_odd(x: jax.Array) -> jax.Array:
   not x, the odd one is its neighbour on x's side.
   """
   nearest = x.astype(jnp.float32)
-  back = nearest.astype(x.dtype)
+  # XLA:GPU drops the cast down and back up (excess precision, as in round_to).
+  back = lax.platform_dependent(
+      x, cuda=lambda x: round_without_casts(x, jnp.float32),
+      default=lambda x: x.astype(jnp.float32).astype(x.dtype))
   bits = lax.bitcast_convert_type(nearest, jnp.uint32)
   inexact = (back != x) & ~jnp.isnan(x) & (bits & 1 == 0)
   # Magnitudes order like their bits: one step of the bits is one ulp of |x|.

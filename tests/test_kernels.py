@@ -308,8 +308,9 @@ class TransformationsTest(chex.TestCase):
 
 
 def test_default_implementation_runs_kernels_only_where_measured_faster():
-  # PALLAS_FASTER lists what was timed faster on hardware (benchmarks/results/):
-  # never the CPU (interpret mode); on CUDA, blocked int4 dequantization only.
+  # PALLAS_FASTER lists what was timed faster on hardware (docs/numerics.md):
+  # never the CPU (interpret mode); on CUDA, the int8 quantized add and the
+  # per-row int8 dynamic quantize.
   assert set(_dispatch.PALLAS_FASTER) == {"cuda"}
   x = jnp.zeros((8, 128), jnp.int8)
   assert not uses_pallas(jq.dequantize_linear, x, 1.0)
@@ -317,31 +318,33 @@ def test_default_implementation_runs_kernels_only_where_measured_faster():
   assert uses_pallas(
       functools.partial(jq.dynamic_quantize_linear, implementation="pallas"), x.astype(float)
   )
+  add = jax.jit(lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(0), b, 0.2, jnp.int8(0), 0.3,
+                                              jnp.int8(0)))
+  per_row = jax.jit(lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0))
+  per_tensor = jax.jit(jq.dynamic_quantize_linear)
   packed = jnp.zeros((8, 64), jnp.uint8)
   blocked_int4 = jax.jit(lambda x, s: jq.dequantize_linear(
       x, s, axis=1, block_size=32, packed_shape=(8, 128), output_dtype=jnp.bfloat16))
   scales = jnp.ones((8, 4), jnp.bfloat16)
+  floats = jnp.zeros((8, 128))
   for platform, kernel in (("cuda", True), ("cpu", False), ("tpu", False)):
-    text = blocked_int4.trace(packed, scales).lower(lowering_platforms=(platform,)).as_text()
-    assert ("__gpu$xla.gpu.triton" in text or "tpu_custom_call" in text) == kernel, platform
-  # Not timed, and Triton has no 4-bit memory type: int4 one value per byte stays on XLA.
-  unpacked = jax.jit(lambda x, s: jq.dequantize_linear(
-      x, s, axis=1, block_size=32, output_dtype=jnp.bfloat16))
-  text = unpacked.trace(jnp.zeros((8, 128), jnp.int4), scales).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "__gpu$xla.gpu.triton" not in text
+    def lowered(f, *args):
+      text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+      return "__gpu$xla.gpu.triton" in text or "tpu_custom_call" in text
+    assert lowered(add, x, x) == kernel, platform
+    assert lowered(per_row, floats) == kernel, platform
+    assert not lowered(per_tensor, floats), platform
+    assert not lowered(blocked_int4, packed, scales), platform
 
 
 def test_xla_implementation_runs_no_kernel_even_where_one_is_listed():
-  """implementation="xla" is XLA on every platform, also for CUDA's blocked int4
-  dequantization, which PALLAS_FASTER lists for implementation=None."""
+  """implementation="xla" is XLA on every platform, also for CUDA's int8 quantized
+  add, which PALLAS_FASTER lists for implementation=None."""
   x = jnp.zeros((8, 128), jnp.int8)
   assert not uses_pallas(functools.partial(jq.dequantize_linear, implementation="xla"), x, 1.0)
-  blocked_int4 = jax.jit(lambda x, s: jq.dequantize_linear(
-      x, s, axis=1, block_size=32, packed_shape=(8, 128), output_dtype=jnp.bfloat16,
-      implementation="xla"))
-  text = blocked_int4.trace(jnp.zeros((8, 64), jnp.uint8), jnp.ones((8, 4), jnp.bfloat16)).lower(
-      lowering_platforms=("cuda",)).as_text()
+  add = jax.jit(lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(0), b, 0.2, jnp.int8(0), 0.3,
+                                              jnp.int8(0), implementation="xla"))
+  text = add.trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" not in text
 
 

@@ -160,10 +160,31 @@ def test_float16_rounding_without_casts_is_the_cast():
   x = x[~((x != 0) & (np.abs(x) < np.finfo(np.float32).tiny))]
   with np.errstate(over="ignore"):
     want = x.astype(np.float16).astype(np.float32)
-  got = np.asarray(jax.jit(_numerics.round_to_float16_without_casts)(x))
+  got = np.asarray(jax.jit(lambda x: _numerics.round_without_casts(x, jnp.float16))(x))
   nan = np.isnan(want)
   np.testing.assert_array_equal(np.isnan(got), nan)
   np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_float32_rounding_without_casts_is_the_cast_under_x64():
+  """The same for float64 -> float32 (CUDA's rounding to odd), subnormals included."""
+  rng = np.random.default_rng(4)
+  single = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32)
+  single = single[np.isfinite(single)].astype(np.float64)
+  tiny = np.float64(np.finfo(np.float32).smallest_subnormal)
+  x = np.concatenate([
+      rng.integers(0, 2**64, 1 << 18, dtype=np.uint64).view(np.float64), single,
+      single * (1 + 2.0**-24), single * (1 - 2.0**-24), single * (1 + 2.0**-30),
+      tiny * np.arange(-4, 5) / 2, tiny * (np.arange(-4, 5) / 2 + 2.0**-20),
+      [np.inf, -np.inf, np.nan, 3.4028235677973366e38, 3.4028235677973362e38],
+  ])
+  with np.errstate(over="ignore"):
+    want = x.astype(np.float32).astype(np.float64)
+  with jax.enable_x64(True):
+    got = np.asarray(jax.jit(lambda x: _numerics.round_without_casts(x, jnp.float32))(x))
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got[~nan].view(np.uint64), want[~nan].view(np.uint64))
 
 
 def test_float16_rounding_lowers_per_platform():
