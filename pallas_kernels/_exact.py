@@ -108,6 +108,10 @@ def _replacement(equation, *, divide: bool, rounding: bool):
     return lambda *values: list(values)
   if equation.primitive is lax.clz_p and rounding:
     return lambda x: [count_leading_zeros(x)]
+  if rounding and equation.primitive is lax.neg_p and jnp.issubdtype(
+      equation.invars[0].aval.dtype, jnp.floating):
+    # Triton lowers negation as 0 - x, which is +0 for x = +0: a multiply flips the sign.
+    return lambda x: [x * np.asarray(-1, x.dtype)]
   float32 = all(v.aval.dtype == np.float32 for v in equation.invars)
   float32_or_64 = all(v.aval.dtype in (np.float32, np.float64) for v in equation.invars)
   if rounding and equation.primitive is lax.round_p and float32_or_64 and (
@@ -209,7 +213,8 @@ def exact(
       in interpret mode and on ROCm, whose ``fdiv`` lowering is already IEEE).
     rounding: replace float32 and float64 round-half-to-even by
       :func:`round_half_to_even` and ``clz`` by :func:`count_leading_zeros`
-      (Triton lowers neither; Mosaic does).
+      (Triton lowers neither; Mosaic does), and float negation by a
+      multiplication by -1 (Triton's ``0 - x`` loses the sign of a zero).
 
   Returns:
     A function with ``formula``'s signature and results.

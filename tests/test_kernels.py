@@ -829,6 +829,18 @@ def test_dtypes_triton_cannot_hold_run_xla_on_cuda():
         lowering_platforms=("tpu",)).as_text(), dtype
 
 
+def test_triton_negation_keeps_the_sign_of_zero():
+  # Triton lowers negation as 0 - x: +0 for x = +0. Decoding float6 code 32
+  # (-0.0) in a Triton kernel on an H100 gave +0.0; the kernel body multiplies by -1.
+  x = jnp.float32([0.0, -0.0, 1.5, -np.inf])
+  body = _exact.exact(lambda x: -x)
+  assert "neg" not in str(jax.make_jaxpr(body)(x))
+  assert_bits_equal(body(x), -x)
+  codes = jnp.uint8([0, 32])
+  assert_bits_equal(_exact.exact(lambda c: decode_codes(c, jnp.float6_e2m3fn))(codes),
+                    jnp.float32([0.0, -0.0]))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_cuda_kernels_divide_without_the_xla_guard(dtype):
   # The guard's zero (clz(v) >> k) steers XLA's simplifier; in a CUDA kernel
