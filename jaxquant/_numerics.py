@@ -21,8 +21,31 @@ from pallas_kernels.dequantize import decode_codes
 
 
 def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
-  """``x`` as numbers: float32 values for codes (``info.as_codes``), else ``x`` itself."""
-  return decode_codes(x, info.dtype) if info.as_codes else x
+  """``x`` as numbers: float32 for a float dtype (codes, ``info.as_codes``, too), else ``x``.
+
+  XLA:GPU drops a float32 -> float8 -> float32 conversion pair inside one
+  program (excess precision): a float8 or float4 quantize dequantized in the
+  same ``jit`` lost its rounding (every element of a float8 ``fake_quantize``
+  differed, on an H100). On CUDA the values are read by their bits from a
+  table of the dtype's codes, which no simplification pairs with the cast.
+  """
+  if info.as_codes:
+    return decode_codes(x, info.dtype)
+  if info.is_integer:
+    return x
+  return lax.platform_dependent(x, cuda=float_values_by_table,
+                                default=lambda x: x.astype(jnp.float32))
+
+
+def float_values_by_table(x: jax.Array) -> jax.Array:
+  """float8 or float4 ``x`` as float32, looked up by its bits (:func:`values`)."""
+  bits = jnp.finfo(x.dtype).bits
+  unsigned = jnp.dtype(f"uint{bits}")
+  # Built from an iota, not a constant: a kernel body (which takes the default
+  # branch) may capture no constants, and XLA folds it.
+  codes = lax.iota(jnp.uint8, 2**bits).astype(unsigned)
+  table = lax.bitcast_convert_type(codes, x.dtype).astype(jnp.float32)
+  return table[lax.bitcast_convert_type(x, unsigned).astype(jnp.int32)]
 
 
 def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:

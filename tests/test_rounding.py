@@ -261,3 +261,20 @@ def test_32bit_outputs_match_the_reference():
     mismatch = np.flatnonzero(np.asarray(got).astype(np.int64) != want)
     assert mismatch.size == 0, (dtype_name, zero_point, quotients[mismatch[:8]],
                                 np.asarray(got)[mismatch[:8]], want[mismatch[:8]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
+                                   jnp.float8_e5m2fnuz, jnp.float4_e2m1fn], ids=str)
+def test_float_values_by_table_are_the_cast(dtype):
+  """CUDA reads float8/float4 by a table (XLA:GPU drops a quantize's cast pair): every code."""
+  bits = jnp.finfo(dtype).bits
+  x = jnp.asarray(np.arange(2**bits, dtype=np.uint8).view(dtype))
+  got = np.asarray(jax.jit(_numerics.float_values_by_table)(x))
+  want = np.asarray(x.astype(jnp.float32))
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan)
+  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+  fake = jax.jit(lambda x: jq.fake_quantize(x, 0.5, dtype=dtype))
+  for platform, table in (("cuda", True), ("cpu", False)):
+    text = fake.trace(jnp.ones(8)).lower(lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.gather" in text) == table, platform
