@@ -975,6 +975,25 @@ def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape, largest):
   assert dots and all("bf16>" in line for line in dots), dots
 
 
+def test_cuda_lowers_every_integer_product_to_the_bfloat16_dot():
+  """Two contracting dims (XLA:GPU's int8 dot gave wrong sums) and int4 x uint4 (XLA:GPU
+  fused the widening into its dot and compiled no candidate), as lowered for CUDA."""
+  rng = np.random.default_rng(3)
+  lhs, rhs = _integers(rng, np.uint8, (3, 4, 2, 5)), _integers(rng, np.int8, (2, 5, 6, 3))
+  two_contracting = jax.jit(lambda a, b: jq.quantized_dot_general(
+      a, b, (((0, 3), (3, 1)), ((2,), (0,))), lhs_zero_point=jnp.uint8(3)))
+  narrow = jax.jit(lambda a, b: jq.matmul_integer(a, b, jnp.int4(1), jnp.uint4(2)))
+  int4, uint4 = _integers(rng, jnp.int4, (3, 40)), _integers(rng, jnp.uint4, (40, 5))
+  for function, args, barrier in ((two_contracting, (lhs, rhs), False),
+                                  (narrow, (int4, uint4), True)):
+    text = function.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all("bf16>" in line for line in dots), dots
+    assert ("stablehlo.optimization_barrier" in text) == barrier
+    cpu = function.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "stablehlo.optimization_barrier" not in cpu
+
+
 def test_exact_bfloat16_dot_in_slices_keeps_batch_dims_apart():
   """Over 8 slices deep, the slices are one more batch dim beside rhs's own (not first)."""
   rng = np.random.default_rng(9001)

@@ -194,6 +194,12 @@ def test_float16_rounding_lowers_per_platform():
     text = round_.trace(jnp.ones(8)).lower(lowering_platforms=(platform,)).as_text()
     assert ("stablehlo.reduce_precision" in text) == arithmetic, platform
     assert ("xf16>" in text) != arithmetic, platform
+  with jax.enable_x64(True):  # float64 x: rounded to odd in float32 first, without casts too
+    round_ = jax.jit(lambda x: _numerics.round_to(x, np.float16))
+    for platform, arithmetic in (("cuda", True), ("cpu", False)):
+      text = round_.trace(jnp.ones(8, jnp.float64)).lower(
+          lowering_platforms=(platform,)).as_text()
+      assert ("format = e8m23" in text) == arithmetic, platform
 
 
 def _round_once(x, dtype):
