@@ -31,7 +31,7 @@ def values(x: jax.Array, info: QuantizedDType) -> jax.Array:
   """
   if info.as_codes:
     return decode_codes(x, info.dtype)
-  if info.is_integer:
+  if info.is_integer or x.dtype != info.dtype:  # integers, or codes decoded already
     return x
   return lax.platform_dependent(x, cuda=float_values_by_table,
                                 default=lambda x: x.astype(jnp.float32))
