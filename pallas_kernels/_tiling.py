@@ -6,8 +6,10 @@ narrower ones along sublanes, so the native row tiling is 8 for 32-bit, 16 for
 16-bit, 32 for 8-bit and 64 for 4-bit types; a block taller than one tile of the
 narrowest dtype it touches stays a whole number of those tiles.
 
-Triton: every dim of every block is a power of two. Loads of int4 and float8
-are fine, and the array itself may be any size once padded to whole blocks.
+Triton: every dim of every block is a power of two, and the array itself may
+be any size once padded to whole blocks. Loads of int4 lower, but read one
+value per byte where XLA:GPU packs two: the kernels never see a sub-byte
+array on CUDA (``_blockwise.triton_holds``).
 
 Mosaic GPU (the default ``pallas_call`` backend on CUDA) is not targeted: it
 wants 16-byte-aligned strides and 128-element copies, refuses int4 memrefs and
