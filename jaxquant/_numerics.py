@@ -64,10 +64,19 @@ def round_to(x: jax.Array, dtype: np.dtype) -> jax.Array:
     # with the cast here because the exponent ranges, subnormals included, match.
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
   # reduce_precision flushes the narrower type's subnormals; the cast keeps them.
-  # XLA:GPU drops a float32 -> float16 -> float32 cast pair (excess precision,
-  # measured on an H100): there float16 is rounded without casts.
+  return _cast_down_and_up(x, dtype)
+
+
+def _cast_down_and_up(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``x.astype(dtype).astype(x.dtype)``, which XLA:GPU keeps.
+
+  XLA:GPU drops such a cast pair (excess precision; measured on an H100 for
+  float32 -> float16 -> float32 and float64 -> float32 -> float64): on CUDA
+  float16 and float32, which round and overflow as ``reduce_precision``
+  does, are rounded without casts (:func:`round_without_casts`).
+  """
   cast = lambda x: x.astype(dtype).astype(x.dtype)
-  if np.dtype(dtype) != np.float16 or x.dtype != np.float32:
+  if np.dtype(dtype) not in (np.float16, np.float32):
     return cast(x)
   return lax.platform_dependent(
       x, cuda=lambda x: round_without_casts(x, dtype), default=cast)
@@ -95,10 +104,7 @@ def _float32_to_odd(x: jax.Array) -> jax.Array:
   not x, the odd one is its neighbour on x's side.
   """
   nearest = x.astype(jnp.float32)
-  # XLA:GPU drops the cast down and back up (excess precision, as in round_to).
-  back = lax.platform_dependent(
-      x, cuda=lambda x: round_without_casts(x, jnp.float32),
-      default=lambda x: x.astype(jnp.float32).astype(x.dtype))
+  back = _cast_down_and_up(x, jnp.float32)
   bits = lax.bitcast_convert_type(nearest, jnp.uint32)
   inexact = (back != x) & ~jnp.isnan(x) & (bits & 1 == 0)
   # Magnitudes order like their bits: one step of the bits is one ulp of |x|.

@@ -200,6 +200,12 @@ def test_float16_rounding_lowers_per_platform():
       text = round_.trace(jnp.ones(8, jnp.float64)).lower(
           lowering_platforms=(platform,)).as_text()
       assert ("format = e8m23" in text) == arithmetic, platform
+    # float64 x to float32's precision (a float32 scale's quotient under x64) likewise.
+    round_ = jax.jit(lambda x: _numerics.round_to(x, np.float32))
+    for platform, arithmetic in (("cuda", True), ("cpu", False)):
+      text = round_.trace(jnp.ones(8, jnp.float64)).lower(
+          lowering_platforms=(platform,)).as_text()
+      assert ("format = e8m23" in text) == arithmetic, platform
 
 
 def _round_once(x, dtype):
