@@ -307,6 +307,12 @@ class TransformationsTest(chex.TestCase):
 # --- implementation=None ------------------------------------------------------------
 
 
+def _int8_add(implementation=None):
+  """The int8 quantized add that PALLAS_FASTER lists for CUDA, jitted."""
+  return jax.jit(lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(0), b, 0.2, jnp.int8(0), 0.3,
+                                               jnp.int8(0), implementation=implementation))
+
+
 def test_default_implementation_runs_kernels_only_where_measured_faster():
   # PALLAS_FASTER lists what was timed faster on hardware (docs/numerics.md):
   # never the CPU (interpret mode); on CUDA, the int8 quantized add and the
@@ -318,8 +324,7 @@ def test_default_implementation_runs_kernels_only_where_measured_faster():
   assert uses_pallas(
       functools.partial(jq.dynamic_quantize_linear, implementation="pallas"), x.astype(float)
   )
-  add = jax.jit(lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(0), b, 0.2, jnp.int8(0), 0.3,
-                                              jnp.int8(0)))
+  add = _int8_add()
   per_row = jax.jit(lambda x: jq.dynamic_quantize_linear(x, dtype=jnp.int8, axis=0))
   per_tensor = jax.jit(jq.dynamic_quantize_linear)
   packed = jnp.zeros((8, 64), jnp.uint8)
@@ -342,9 +347,7 @@ def test_xla_implementation_runs_no_kernel_even_where_one_is_listed():
   add, which PALLAS_FASTER lists for implementation=None."""
   x = jnp.zeros((8, 128), jnp.int8)
   assert not uses_pallas(functools.partial(jq.dequantize_linear, implementation="xla"), x, 1.0)
-  add = jax.jit(lambda a, b: jq.quantized_add(a, 0.1, jnp.int8(0), b, 0.2, jnp.int8(0), 0.3,
-                                              jnp.int8(0), implementation="xla"))
-  text = add.trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+  text = _int8_add("xla").trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" not in text
 
 
