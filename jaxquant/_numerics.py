@@ -366,10 +366,10 @@ def true_divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     rounded correctly (openxla/xla#37181). On CUDA a float32 quotient is
     divided in float64 (``div.rn.f64``) and rounded to float32: 53 >= 2 * 24
     + 2 significant bits make the double rounding innocuous (Figueroa 1995),
-    so the result is the correctly rounded float32 quotient, except that
-    ``reduce_precision`` flushes a quotient below float32's smallest normal
-    to zero, as XLA:CPU does (docs/numerics.md, J1); it rounds to integer 0
-    or float8 zero either way. The float64 divisor carries the same zero.
+    so the result is the correctly rounded float32 quotient, subnormal ones
+    included (:func:`round_without_casts`), as onnxruntime computes them
+    where XLA:CPU flushes them (docs/numerics.md, J1). The float64 divisor
+    carries the same zero.
 
   Kernels evaluate the default branch: their operands are loads, never
   constants, and ``pallas_kernels._exact`` gives Triton its IEEE division.
@@ -474,11 +474,10 @@ def divide_in_float64(x: jax.Array, divisor: jax.Array) -> jax.Array:
     return guarded_divide(x, divisor)
   with jax.enable_x64(True):
     wide = guarded_divide(x.astype(jnp.float64), divisor.astype(jnp.float64))
-    # Rounded by reduce_precision, not by the cast alone: LLVM rewrites
+    # Rounded by arithmetic, not by the cast alone: LLVM rewrites
     # fptrunc(fdiv(fpext a, fpext b)) into a float32 fdiv (exact in IEEE
     # arithmetic), which NVPTX then emits as div.full.f32 again.
-    wide = lax.reduce_precision(wide, exponent_bits=8, mantissa_bits=23)
-    return wide.astype(jnp.float32)
+    return round_without_casts(wide, np.float32).astype(jnp.float32)
 
 
 def dequantize_formula(x, scale, zero_point, *, info, output_dtype):

@@ -26,6 +26,8 @@ import hypothesis
 import jax
 import pytest
 
+from quant_testing import xla_cpu
+
 # Most of a test's time is XLA compiling programs the last run compiled too:
 # JAX's persistent cache keeps them on disk (keyed by the program, the
 # compiler and its options, so a changed op recompiles), and the next run
@@ -39,6 +41,11 @@ if jax.config.jax_compilation_cache_dir is None:
       tempfile.gettempdir(), "jaxquant-tests-xla-cache",
       os.environ.get("PYTEST_XDIST_WORKER", "main")))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+# XLA:GPU multiplies float32 matrices in TF32 by default; the suite's references
+# (NumPy, XLA:CPU) multiply in float32, as jaxquant's own dots at HIGHEST do.
+if jax.default_backend() == "gpu":
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 # Parameters that pick how an op is called rather than what it computes.
 CALL_MODES = frozenset({"implementation", "mode", "under_jit", "style", "platform", "backend"})
@@ -83,3 +90,13 @@ def pytest_collection_modifyitems(items):
       item.add_marker(pytest.mark.slow)
     else:
       covered.setdefault(test, set()).update(values)
+
+
+@pytest.fixture(autouse=True)
+def _on_xla_cpu(request):
+  """Runs a test marked ``xla_cpu`` on the host's CPU device (a no-op without an accelerator)."""
+  if request.node.get_closest_marker("xla_cpu") is None:
+    yield
+    return
+  with xla_cpu():
+    yield

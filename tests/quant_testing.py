@@ -582,6 +582,18 @@ def summation_bound(a, weight, bias=None) -> np.ndarray:
   return summation_error(magnitude, weight.shape[-1])
 
 
+def xla_cpu():
+  """The host's CPU as JAX's default device, as a context manager.
+
+  What XLA:CPU computes or compiles, on any machine: a test of XLA:CPU's
+  compiled program (the ``xla_cpu`` mark runs the whole test in it), or a
+  reference that XLA:GPU cannot run (an integer convolution). On a CPU-only
+  machine it changes nothing.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.default_device(jax.devices("cpu")[0])
+
+
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:
   """Runs ``program`` in a fresh interpreter with ``count`` simulated CPU devices.
 

@@ -182,6 +182,7 @@ def test_splat_and_vmapped_constants():
       jnp.full(3, scale))], [np.broadcast_to(ties_expected, (3, 4, 256))])
 
 
+@pytest.mark.xla_cpu
 def test_compiled_program_divides():
   # The check in XLA's own terms: a closed-over x still compiles to a divide.
   x = _ties((256,), np.float32(0.91362804))

@@ -19,6 +19,7 @@ from quant_testing import assert_tree_bits_equal
 from quant_testing import assert_vmap_is_a_loop
 from quant_testing import model_calls
 from quant_testing import spec_symmetric_scale
+from quant_testing import xla_cpu
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -200,11 +201,10 @@ CONV = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "H
 
 
 def _integer_conv(x_q, w_q, **options):
-  """The integer convolution, exact in float64 (every partial sum is an integer < 2**53)."""
-  return np.asarray(lax.conv_general_dilated(
-      jnp.asarray(np.asarray(x_q, np.float64), jnp.float32), jnp.asarray(
-          np.asarray(w_q, np.float64), jnp.float32), precision=lax.Precision.HIGHEST,
-      **options)).astype(np.int64)
+  """The integer convolution, in int64 on the host's CPU (XLA:GPU has no integer convolution)."""
+  with jax.enable_x64(True), xla_cpu():
+    return np.asarray(lax.conv_general_dilated(
+        np.asarray(x_q, np.int64), np.asarray(w_q, np.int64), **options))
 
 
 def test_conv_dynamic_int8():
@@ -643,8 +643,9 @@ def test_integer_conv_on_cuda_is_the_integer_conv(case):
                  rhs_dilation=case.pop("rhs_dilation", None),
                  feature_group_count=case.pop("feature_group_count", 1),
                  batch_group_count=case.pop("batch_group_count", 1))
-  want = lax.conv_general_dilated(lhs.astype(np.int32), rhs.astype(np.int32),
-                                  dimension_numbers=numbers, **options)
+  with xla_cpu():  # the reference: XLA:GPU runs no integer convolution
+    want = lax.conv_general_dilated(lhs.astype(np.int32), rhs.astype(np.int32),
+                                    dimension_numbers=numbers, **options)
   got = jax.jit(lambda l, r: _dot_general.integer_conv_by_taps(l, r, numbers, **options))(
       lhs, rhs)
   np.testing.assert_array_equal(got, want)

@@ -674,6 +674,7 @@ def test_one_nan_changes_only_its_own_slice(kwargs, implementation):
 @pytest.mark.parametrize("kwargs", [{}, dict(axis=1), dict(axis=1, block_size=4),
                                     dict(dtype=jnp.int8, symmetric=True)],
                          ids=["per-tensor", "per-axis", "blocked", "symmetric"])
+@pytest.mark.xla_cpu
 def test_vmap_redoes_the_statistics_only_for_examples_with_a_nan(kwargs):
   """On XLA:CPU the statistics are plain reductions, redone NaN-aware where a NaN came
   out. vmap keeps that choice a cond (before: a select running the NaN-aware reductions,

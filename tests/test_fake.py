@@ -195,7 +195,7 @@ def test_range_edges_pass_gradient_one_not_one_half():
       narrow(jnp.array([-127.0, -126.5, -127.5, -128.0]) * scale), [1, 1, 0, 0])
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("gradient", ["masked", "identity"])
 def test_training_step_writes_no_quotient(gradient):
   # Of x's size, only the gradient is written: the forward value and the

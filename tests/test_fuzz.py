@@ -54,6 +54,7 @@ from quant_testing import spec_symmetric_scale
 from quant_testing import summation_bound
 from quant_testing import summation_error
 from quant_testing import wrap_int32
+from quant_testing import xla_cpu
 
 # Every example compiles its op four ways: the whole suite is slow.
 pytestmark = pytest.mark.slow
@@ -951,7 +952,7 @@ def _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout, d
   """The int64 convolution of the integer drop-ins, then ``float32(acc) * (s_lhs * s_rhs)`` in
   ``dtype``: the lhs scale per tensor or per example, the kernel's per output feature, laid
   out along the output's batch and feature dims, their product in float32."""
-  with jax.enable_x64(True):
+  with jax.enable_x64(True), xla_cpu():  # XLA:GPU runs no integer convolution
     accumulator = jax.lax.conv_general_dilated(
         np.asarray(lhs_values, np.int64), np.asarray(rhs_values, np.int64), **layout.options)
   return conv_epilogue(accumulator, lhs_scale, rhs_scale, layout.numbers.out_spec, dtype)

@@ -4,7 +4,11 @@ CPU runs the kernels in interpret mode, which executes the same kernel body,
 block specs, padding and index maps as the compiled kernels; the Triton tiling
 (and its exact-rounding rewrite) is run in interpret mode too. What only
 hardware can show (Mosaic's and Triton's own code generation) is checked as
-far as a CPU can: every kernel lowers for both platforms.
+far as a CPU can: every kernel lowers for both platforms. The tests that pick
+a backend's interpreter are marked ``xla_cpu``: on a machine with a GPU they
+still run on its CPU, since interpret mode there would compile the kernel
+body with XLA:GPU (whose float32 division is not IEEE) instead of emulating
+the kernel.
 """
 
 import functools
@@ -413,6 +417,7 @@ def _kernel_operands(rng, shape, dtype, scale_shape):
   return _on_device(x), _scale(rng, scale_shape), _on_device(zero_point)
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn,
@@ -437,6 +442,7 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
   )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
 def test_packed_dequantize_kernel(backend, max_block, dtype):
@@ -456,6 +462,7 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
   )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("max_block", [(2, 1), (4, 2)])
 @pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
 def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(max_block, dtype):
@@ -478,6 +485,7 @@ def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(max_block,
   )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn,
                                    *FLOAT6_DTYPES])
@@ -499,6 +507,7 @@ def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 def test_quantized_add_kernel(backend, max_block):
@@ -518,6 +527,7 @@ def test_quantized_add_kernel(backend, max_block):
   )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
 @pytest.mark.parametrize("keep", [(False, False), (True, False), (False, True),
@@ -542,6 +552,7 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
     assert_bits_equal(a, e)
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("backend", ["tpu", "triton"])
 @pytest.mark.parametrize("columns", [192, 200])  # whole blocks of 16; a short last block
 def test_kernels_read_blocked_parameters(backend, columns):
@@ -608,6 +619,7 @@ def test_a_shard_cutting_blocks_finds_its_blocks(columns, shards, block):
     assert_bits_equal(got, jnp.nanmax(padded.reshape(4, count, block), axis=-1))
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("backend", ["tpu", "triton"])
 @pytest.mark.parametrize("size", [1152, 300, 4096 + 128])
 def test_one_dim_folded_into_rows_with_default_tiles(backend, size):

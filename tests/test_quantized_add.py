@@ -354,6 +354,7 @@ def _assert_one_fusion(fn, *args):
     ((1024, 1024), (1024, 1024)), ((1024, 1), (1, 1024)), ((1024, 1024), ()),
     ((1024,), (1024, 1)),
 ], ids=str)
+@pytest.mark.xla_cpu
 def test_one_fused_elementwise_pass_under_jit(a_shape, b_shape):
   a, b = jnp.zeros(a_shape, jnp.int8), jnp.zeros(b_shape, jnp.int8)
   scale, zero_point = jnp.float32(0.1), jnp.int8(3)
@@ -362,6 +363,7 @@ def test_one_fused_elementwise_pass_under_jit(a_shape, b_shape):
   assert result.startswith("s8[1024,1024]")
 
 
+@pytest.mark.xla_cpu
 def test_one_fusion_check_counts_separate_passes():
   """The check above fails for a computation XLA cannot fuse into one loop."""
   a = jnp.zeros((1024, 1024), jnp.int8)

@@ -116,7 +116,9 @@ def _division_operands(seed):
 
 
 def test_division_in_float64_is_ieee_division():
-  """CUDA's formulation: the correctly rounded float32 quotient (subnormal ones flushed)."""
+  """CUDA's formulation: the correctly rounded float32 quotient. Its subnormal quotients are
+  rounded in float64 (test_float32_rounding_without_casts_is_the_cast_under_x64); this CPU
+  flushes them in the final conversion to float32 (J1), CUDA keeps them."""
   x, divisor = _division_operands(seed=2)
   with np.errstate(all="ignore"):
     want = x / divisor

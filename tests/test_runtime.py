@@ -39,7 +39,8 @@ faults = sorted(per_call)[4]  # the median call: one call may still grow the hea
 def _run(*code, **environment):
   """Runs the ``code`` pieces in a fresh interpreter; returns the JSON it prints last."""
   env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-  env.update(environment)
+  # tune_cpu tunes XLA:CPU: on a machine with an accelerator, the programs run on its CPU.
+  env.update(JAX_PLATFORMS="cpu", **environment)
   program = "import json, warnings\nimport jaxquant as jq\n" + "".join(
       textwrap.dedent(piece) for piece in code)
   result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,

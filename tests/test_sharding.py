@@ -508,6 +508,7 @@ def test_rows_layout_round_trips_and_equals_flat_bytes_on_whole_byte_rows(dtype,
         implementation=implementation), want)
 
 
+@pytest.mark.xla_cpu
 def test_expanded_blocked_scale_is_fused_not_written():
   """One loop fusion reads x and the small scale: no x-sized scale exists."""
   x = jnp.zeros((64, 100), jnp.int8)
