@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import time
@@ -167,17 +168,18 @@ def _matmul_cases(rows, features, rng, sweep):
     return
   formula = lambda codes, s, z: (codes.astype(jnp.float32) - 8.0) * s
   zero_points = jnp.full(scales.shape, 8, jnp.uint8)
-  tile_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-  for tile_n in (32, 64, 128):
-    for step in (s for s in (64, 128, 256) if k % s == 0):
-      for warps, stages in ((4, 2), (4, 4), (8, 3)):
-        tiles = pallas_matmul.Tiling(m=tile_m, n=tile_n, k=step, num_warps=warps,
-                                     num_stages=stages)
-        yield (f"kernel {tiles}",
-               lambda x, p, s, tiles=tiles: pallas_matmul.dequantize_matmul(
-                   x, p, s, zero_points, formula=formula, block_size=block, bits=4,
-                   tiles=tiles),
-               (x, packed, scales), nbits_bytes)
+  rows_pow2 = 1 << (rows - 1).bit_length()
+  # tl.dot's 16 rows or more; fewer rows than that also as products summed (no dot).
+  tile_ms = sorted({min(64, max(16, rows_pow2))} | ({rows_pow2} if rows_pow2 < 16 else set()))
+  for tile_m, tile_n, step, split in itertools.product(
+      tile_ms, (16, 32, 64), (64, 256), (1, 4, 16)):
+    if k % (split * step):
+      continue
+    tiles = pallas_matmul.Tiling(m=tile_m, n=tile_n, k=step, num_stages=3, split=split)
+    yield (f"kernel {tiles}",
+           lambda x, p, s, tiles=tiles: pallas_matmul.dequantize_matmul(
+               x, p, s, zero_points, formula=formula, block_size=block, bits=4, tiles=tiles),
+           (x, packed, scales), nbits_bytes)
 
 
 def main():

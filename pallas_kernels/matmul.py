@@ -7,8 +7,11 @@ of packed bytes and its (N-tile, K / block_size) scales, decodes and
 dequantizes them on chip with the caller's formula (jaxquant's
 ``dequantize_formula``), and feeds the float tile to the MXU / tensor cores:
 the float weight never exists in HBM, which holds half a byte per 4-bit
-weight. K is whole in every program, so each output element is one dot
-over all of K, the same sum as jaxquant's XLA path (``matmul_nbits``).
+weight. Mosaic's programs take K whole, so each output element is one dot
+over all of K, the same sum as jaxquant's XLA path (``matmul_nbits``);
+Triton's step through K (:class:`Tiling`), in one range of it or in several
+programs' ranges whose partial sums are added after the kernel: the same
+products, summed in another order.
 
 Under ``jax.jit`` with sharded operands the call is partitioned
 (:func:`_partitioned`): each device runs the kernel on its rows of x and its
@@ -76,7 +79,12 @@ class Tiling:
   ``k=None``: all of K in one dot (Mosaic: the strip fits VMEM). Triton
   tiles are powers of two and ``k`` a multiple of the block size: the
   program loops over K, loading and dequantizing one (n, k) tile of the
-  weight per step into registers, and sums the steps' dots in float32.
+  weight per step into registers, and sums the steps' products in float32.
+  ``m`` below 16 (``tl.dot``'s least) multiplies and sums on the CUDA cores
+  instead of padding x's rows to 16. ``split`` cuts K into that many equal
+  ranges, each a program of its own (a third grid dim), whose partial sums
+  are added after the kernel: at few rows of x, ``N / n`` programs would
+  each walk all of K in sequence.
   """
 
   m: int
@@ -84,6 +92,7 @@ class Tiling:
   k: int | None = None
   num_warps: int = 4
   num_stages: int = 2
+  split: int = 1
 
 
 def tiling(m: int, n: int, k: int, block_size: int, backend: str) -> Tiling:
@@ -265,7 +274,10 @@ def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend,
   (m, k), n = x.shape, packed.shape[0]
   per_byte = 8 // bits
   tiles = tiles or tiling(m, n, k, block_size, backend)
-  step = tiles.k or k
+  depth = k // tiles.split  # each program's range of K
+  step = tiles.k or depth
+  if depth * tiles.split != k or depth % step or step % block_size:
+    raise ValueError(f"{tiles} does not cut K = {k} into whole blocks of {block_size}")
   padded_m, padded_n = -(-m // tiles.m) * tiles.m, -(-n // tiles.n) * tiles.n
   x = jnp.pad(x, ((0, padded_m - m), (0, 0)))
   packed, scales, zero_points = (
@@ -277,43 +289,52 @@ def _call(x, packed, scales, zero_points, *, formula, block_size, bits, backend,
     blocks = pl.ds(start // block_size, step // block_size)
     weight = formula(codes, _expand(scales_ref[:, blocks], block_size),
                      _expand(zero_points_ref[:, blocks], block_size))
+    rows = x_ref[:, pl.ds(start, step)]
+    if tiles.m < 16 and backend == "triton":
+      # Fewer rows than tl.dot takes: products and their sum on the CUDA cores.
+      return jnp.sum(rows[:, None, :] * weight[None, :, :], axis=2)
     return lax.dot_general(
-        x_ref[:, pl.ds(start, step)], weight, _TRANSPOSED_RHS,
+        rows, weight, _TRANSPOSED_RHS,
         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
 
   def kernel(*refs):
     *operands, y_ref = refs
-    if step == k:
-      y_ref[...] = product(*operands, 0)
-      return
-    # The steps' partial dots, summed in order from K's start.
-    y_ref[...] = lax.fori_loop(
-        0, k // step, lambda i, total: total + product(*operands, i * step),
-        jnp.zeros((tiles.m, tiles.n), jnp.float32),
-    )
+    if step == depth:
+      total = product(*operands, 0)
+    else:
+      # The steps' partial products, summed in order from the range's start.
+      total = lax.fori_loop(
+          0, depth // step, lambda i, total: total + product(*operands, i * step),
+          jnp.zeros((tiles.m, tiles.n), jnp.float32),
+      )
+    y_ref[0] = total
 
-  blocks = k // block_size
+  blocks = depth // block_size
   if interpret:
     compiler_params = None
   elif backend == "tpu":
-    compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3)
   else:
     compiler_params = pltriton.CompilerParams(num_warps=tiles.num_warps,
                                               num_stages=tiles.num_stages)
-  y = pl.pallas_call(
+  # Grid (rows of x, rows of the weight, ranges of K); each program reads its range of K.
+  partial_sums = pl.pallas_call(
       kernel,
-      grid=(padded_m // tiles.m, padded_n // tiles.n),
+      grid=(padded_m // tiles.m, padded_n // tiles.n, tiles.split),
       in_specs=[
-          pl.BlockSpec((tiles.m, k), lambda i, j: (i, 0)),
-          pl.BlockSpec((tiles.n, k // per_byte), lambda i, j: (j, 0)),
-          pl.BlockSpec((tiles.n, blocks), lambda i, j: (j, 0)),
-          pl.BlockSpec((tiles.n, blocks), lambda i, j: (j, 0)),
+          pl.BlockSpec((tiles.m, depth), lambda i, j, r: (i, r)),
+          pl.BlockSpec((tiles.n, depth // per_byte), lambda i, j, r: (j, r)),
+          pl.BlockSpec((tiles.n, blocks), lambda i, j, r: (j, r)),
+          pl.BlockSpec((tiles.n, blocks), lambda i, j, r: (j, r)),
       ],
-      out_specs=pl.BlockSpec((tiles.m, tiles.n), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((padded_m, padded_n), jnp.float32),
+      out_specs=pl.BlockSpec((1, tiles.m, tiles.n), lambda i, j, r: (r, i, j)),
+      out_shape=jax.ShapeDtypeStruct((tiles.split, padded_m, padded_n), jnp.float32),
       compiler_params=compiler_params,
       interpret=interpret,
       name="dequantize_matmul",
   )(x, packed, scales, zero_points)
+  y = partial_sums[0]
+  for partial in partial_sums[1:]:  # in K's order
+    y = y + partial
   return y[:m, :n]

@@ -1018,9 +1018,15 @@ def test_exact_bfloat16_dot_in_slices_keeps_batch_dims_apart():
 @pytest.mark.parametrize("bits, tiles", [
     (4, None), (2, None), (8, None),
     (4, pallas_matmul.Tiling(m=16, n=32, k=64, num_warps=8, num_stages=3)),
+    # K in 8 ranges of 128, each a program; one row of x per program, no tl.dot.
+    (4, pallas_matmul.Tiling(m=16, n=16, k=64, split=8)),
+    (4, pallas_matmul.Tiling(m=1, n=32, k=128, split=2)),
+    (2, pallas_matmul.Tiling(m=4, n=64, k=256, split=4)),
+    (8, pallas_matmul.Tiling(m=2, n=16, k=32)),
 ])
 def test_triton_tiling_steps_through_k(bits, tiles):
-  """Triton's programs loop over K (interpret mode): float32 summation tolerance of XLA's dot."""
+  """Triton's programs loop over K (interpret mode), in one range or several, by tl.dot or
+  (fewer than 16 rows) by products summed: float32 summation tolerance of XLA's dot."""
   k, n, block_size = 1024, 48, 32
   rng = np.random.default_rng(bits)
   b, scales, zero_points = _nbits_case(rng, bits, k, n, block_size, "packed")
@@ -1032,10 +1038,26 @@ def test_triton_tiling_steps_through_k(bits, tiles):
       m=16, n=32, k=64)
   assert [pallas_matmul.tiling(5, n, depth, size, "triton").k
           for depth, size in [(96, 32), (640, 128), (48, 16), (1024, 512)]] == [32, 128, 16, 512]
-  y = pallas_kernels.dequantize_matmul(a, packed, scales, zero_codes, formula=formula,
-                                       block_size=block_size, bits=bits, backend="triton",
-                                       interpret=True, tiles=tiles)
+  kernel = functools.partial(pallas_kernels.dequantize_matmul, formula=formula,
+                             block_size=block_size, bits=bits, backend="triton", tiles=tiles)
+  y = kernel(a, packed, scales, zero_codes, interpret=True)
   expected = jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
                              block_size=block_size, implementation="xla")
   # Summation order differs: the error is relative to the terms, not to a cancelled sum.
   np.testing.assert_allclose(y, expected, rtol=2e-5, atol=2e-6 * np.abs(expected).max())
+  lowered = jax.jit(kernel).trace(a, packed, scales, zero_codes).lower(
+      lowering_platforms=("cuda",))
+  assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_triton_tiling_cuts_k_into_whole_blocks():
+  packed, scales = jnp.zeros((16, 512), jnp.uint8), jnp.ones((16, 32))
+  call = lambda tiles: pallas_kernels.dequantize_matmul(
+      jnp.ones((1, 1024)), packed, scales, jnp.zeros((16, 32), jnp.uint8),
+      formula=lambda codes, s, z: codes * s, block_size=32, bits=4, backend="triton",
+      interpret=True, tiles=tiles)
+  for tiles in (pallas_matmul.Tiling(m=1, n=16, k=64, split=3),  # 1024 / 3
+                pallas_matmul.Tiling(m=1, n=16, k=256, split=8),  # steps of 256 in 128
+                pallas_matmul.Tiling(m=1, n=16, k=16, split=1)):  # half a block a step
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+      call(tiles)
