@@ -271,9 +271,10 @@ def test_drop_ins_export_with_a_symbolic_batch(name):
 
   The int8 drop-ins add their products in int32 (exact in any order) before
   a float32 epilogue; on XLA:CPU a dot with a symbolic row count takes the
-  exact bfloat16 dot where a concrete one of at most 256 rows takes the int8
-  dot: the same integers. The float dots and convolutions (weight-only,
-  fake-quant) could differ by their summation order, had XLA picked another
+  exact bfloat16 dot where a concrete one of at most 256 rows (any number on
+  a CPU with AMX int8 tiles) takes the int8 dot: the same integers. The float
+  dots and convolutions (weight-only, fake-quant) could differ by their
+  summation order, had XLA picked another
   algorithm for the exported program: measured, it does not (the exported
   program is compiled for the concrete batch it is called with). Exported
   for CPU and CUDA at once: for CUDA the int8 drop-ins lower another

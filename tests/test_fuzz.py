@@ -316,9 +316,10 @@ def _dot_layouts(draw):
   contracting = draw(st.lists(st.integers(0, 5), max_size=2), label="contracting sizes")
   if len(contracting) == 1 and draw(st.booleans(), label="deep"):
     # XLA:CPU's int8 dot in slices of a view (2049 = 3 x 683, 4100 = 4 x 1025) or padded
-    # (8209, a prime); with 300 rows, the bfloat16 dot in slices (1025 and up).
+    # (8209, a prime); with 300 rows, the bfloat16 dot in slices (1025 and up) where the CPU
+    # has no AMX int8 tiles.
     contracting = [draw(st.sampled_from([1025, 2049, 4100, 8209]), label="depth")]
-  # 300 rows: past _INT8_DOT_MAX_ROWS, XLA:CPU's bfloat16 dot.
+  # 300 rows: past _INT8_DOT_MAX_ROWS, XLA:CPU's bfloat16 dot (without AMX int8 tiles).
   lhs_free = draw(st.lists(st.sampled_from([0, 1, 2, 4, 300]), max_size=2), label="lhs free")
   rhs_free = draw(st.lists(st.integers(0, 4), max_size=2), label="rhs free")
   if math.prod(lhs_free) * math.prod(batch) > 300:
@@ -594,7 +595,7 @@ def _draw_drop_in_operands(data, seed, lhs_batched, rhs_batched, *, integer=True
   """A drop-in's dims, whether its weight is stored, two rngs and a float weight (k, n).
 
   K = 4100 = 4 x 1025 takes XLA:CPU's int8 dot in slices, 300 rows its bfloat16 dot
-  (test_quantized_dot_general), where the product is an ``integer`` one; a tenth of the
+  (without AMX int8 tiles; test_quantized_dot_general), where the product is an ``integer`` one; a tenth of the
   weight is zero.
   """
   k = data.draw(st.sampled_from([1, 3, 70] + ([4100] if integer else [])), label="k")

@@ -61,7 +61,8 @@ def test_matmul_integer_matches_both_oracles():
 
 # XLA:CPU's int8 dot by depth (docs/numerics.md): slices of a view of b (4096 = 2 x 2048),
 # 1024-deep copied slices (4099, a prime), more than 8 padded slices (8209, a prime); by
-# rows: the int8 dot (1 and 5 rows, a's zero point adding one) and the bfloat16 dot (300).
+# rows: the int8 dot (1 and 5 rows, a's zero point adding one) and the bfloat16 dot (300; the
+# int8 dot on a CPU with AMX int8 tiles).
 @pytest.mark.parametrize("k", [4096, 4099, 8209])
 @pytest.mark.parametrize("m", [1, 5, 300])
 def test_deep_matmuls_match_both_oracles(m, k):
@@ -178,6 +179,7 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   exact = wrap_int32(lhs.astype(np.int64) @ rhs.astype(np.int64))
   for max_rows in (jq._matmul._INT8_DOT_MAX_ROWS, -1):  # the int8 dot, then the bfloat16 one
     monkeypatch.setattr(jq._matmul, "_INT8_DOT_MAX_ROWS", max_rows)
+    monkeypatch.setattr(jq._matmul, "_int8_dot_takes_any_rows", lambda: max_rows > 0)
     np.testing.assert_array_equal(jq._matmul._int8_dot(lhs, rhs, _DIMS), exact)
   # A vector lhs (no free dim), and rows spread over free dims on both sides of K.
   monkeypatch.undo()
@@ -220,7 +222,13 @@ def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dim
     assert any(op == "fusion" and operands == "%b.1" for op, _, operands in work) == copies_rhs, work
 
 
-def test_int8_path_chosen_by_rows():
+@pytest.fixture
+def without_amx(monkeypatch):
+  """XLA:CPU's choice of int8 dot by rows as on a CPU without AMX int8 tiles."""
+  monkeypatch.setattr(jq._matmul, "_int8_dot_takes_any_rows", lambda: False)
+
+
+def test_int8_path_chosen_by_rows(without_amx):
   """XLA:CPU: up to _INT8_DOT_MAX_ROWS rows (the zero point's row of ones included) read
   the int8 weight as it is; more rows write a bfloat16 copy of it. Both exact."""
   limit = jq._matmul._INT8_DOT_MAX_ROWS
@@ -256,7 +264,30 @@ def test_batched_int8_dot_reads_int8_and_is_exact(lhs_shape, rhs_shape, dimensio
     assert "bf16[" not in call.lower(lhs, rhs).compile().as_text()
 
 
-def test_batched_int8_dot_of_many_rows_runs_in_bfloat16():
+@pytest.mark.parametrize("amx", [False, True])
+def test_int8_dot_takes_any_rows_on_a_cpu_with_amx(monkeypatch, amx):
+  """With AMX int8 tiles (an Intel Xeon: 2.8-3.3x the bfloat16 dot's speed at 128-2048 rows)
+  XLA:CPU's int8 dot takes any static number of rows; without, past _INT8_DOT_MAX_ROWS, the
+  bfloat16 dot. The same integers either way."""
+  monkeypatch.setattr(jq._matmul, "_int8_dot_takes_any_rows", lambda: amx)
+  rng = np.random.default_rng(14)
+  lhs, rhs = _integers(rng, np.int8, (300, 40)), _integers(rng, np.int8, (40, 3))
+  call = jax.jit(lambda a, b: jq._matmul._int8_dot(a, b, _DIMS))
+  np.testing.assert_array_equal(call(lhs, rhs), lhs.astype(np.int32) @ rhs.astype(np.int32))
+  text = call.trace(lhs, rhs).lower(lowering_platforms=("cpu",)).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert dots and all(("bf16>" in line) != amx for line in dots), dots
+
+
+def test_cpu_flags_read_linux_cpuinfo(tmp_path):
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512_vnni amx_tile amx_int8\n"
+                     "processor\t: 1\nflags\t\t: fpu\n")
+  assert jq._matmul.cpu_flags(str(cpuinfo)) == {"fpu", "avx512_vnni", "amx_tile", "amx_int8"}
+  assert jq._matmul.cpu_flags(str(tmp_path / "absent")) == frozenset()
+
+
+def test_batched_int8_dot_of_many_rows_runs_in_bfloat16(without_amx):
   rng = np.random.default_rng(13)
   rows = jq._matmul._INT8_DOT_MAX_ROWS + 1
   lhs, rhs = _integers(rng, np.int8, (2, rows, 40)), _integers(rng, np.int8, (2, 40, 3))
