@@ -35,6 +35,17 @@ def test_kernel_benchmark_runs_and_checks_bits(tmp_path):
   assert len(rows) == 2 + 9 + 4, output
 
 
+def test_kernel_sweep_runs_every_tiling_within_tolerance():
+  # K = N = 256 at two rows: tiles of 2 and 16 rows, three widths of the weight's tile, K in
+  # steps of 64 (in 1 or 4 ranges) and 256; each within float32 summation tolerance of the
+  # full-precision dot (the script prints a line for any that is not). Here they run in the
+  # TPU interpreter, by dot; the Triton path for few rows is test_matmul's to check.
+  rows, output = _table_rows("kernels.py", "--matmul-only", "--sweep", "--matmul-rows", "2",
+                             "--features", "256", prefix="| 2 | kernel Tiling(")
+  assert len(rows) == 2 * 3 * 3, output
+  assert "failed" not in output and "relative error" not in output, output
+
+
 def test_suite_writes_json_and_markdown(tmp_path):
   results = tmp_path / "results.json"
   result = subprocess.run(
