@@ -156,8 +156,9 @@ def assert_bits_equal(actual: Any, expected: Any, message: str = "") -> None:
   if not _is_float(actual.dtype):
     np.testing.assert_array_equal(actual, expected, err_msg=message)
     return
-  nan = np.isnan(actual.astype(np.float32))
-  np.testing.assert_array_equal(nan, np.isnan(expected.astype(np.float32)), err_msg=message)
+  with np.errstate(invalid="ignore"):  # a signaling NaN among the bits is still a NaN
+    nan, expected_nan = np.isnan(actual), np.isnan(expected)
+  np.testing.assert_array_equal(nan, expected_nan, err_msg=message)
   np.testing.assert_array_equal(bits(actual)[~nan], bits(expected)[~nan], err_msg=message)
 
 
@@ -592,6 +593,18 @@ def xla_cpu():
   """
   import jax  # pylint: disable=import-outside-toplevel
   return jax.default_device(jax.devices("cpu")[0])
+
+
+def integer_conv(lhs, rhs, *args, **options) -> np.ndarray:
+  """``lax.conv_general_dilated`` of integer operands in int64, on the host's CPU.
+
+  The integer convolution references: no sum wraps, and XLA:GPU, which runs
+  no integer convolution, is not asked to.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  with jax.enable_x64(True), xla_cpu():
+    return np.asarray(jax.lax.conv_general_dilated(
+        np.asarray(lhs, np.int64), np.asarray(rhs, np.int64), *args, **options))
 
 
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:

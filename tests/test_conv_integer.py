@@ -40,7 +40,7 @@ from quant_testing import assert_bits_equal
 from quant_testing import BF16
 from quant_testing import conv_epilogue
 from quant_testing import F32
-from quant_testing import xla_cpu
+from quant_testing import integer_conv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +234,7 @@ def test_conv_integer_takes_all_four_8_bit_pairs():
               "w_zero_point": np.asarray(w_zero_point)}
     attributes = dict(strides=(1, 2), pads=(1, 0, 0, 2), dilations=(1, 2), group=2)
     got = run_onnxruntime("ConvInteger", inputs, np.int32, **attributes)
-    with jax.enable_x64(True), xla_cpu():  # XLA:GPU runs no integer convolution
-      want = lax.conv_general_dilated(
-          x.astype(np.int64) - int(x_zero_point), w.astype(np.int64) - int(w_zero_point),
-          (1, 2), [(1, 0), (0, 2)], rhs_dilation=(1, 2), feature_group_count=2)
-    np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"{x_dtype} x {w_dtype}")
+    want = integer_conv(
+        x.astype(np.int64) - int(x_zero_point), w.astype(np.int64) - int(w_zero_point),
+        (1, 2), [(1, 0), (0, 2)], rhs_dilation=(1, 2), feature_group_count=2)
+    np.testing.assert_array_equal(got, want, err_msg=f"{x_dtype} x {w_dtype}")

@@ -17,9 +17,9 @@ from quant_testing import assert_bits_equal
 from quant_testing import assert_same_under_x64
 from quant_testing import assert_tree_bits_equal
 from quant_testing import assert_vmap_is_a_loop
+from quant_testing import integer_conv
 from quant_testing import model_calls
 from quant_testing import spec_symmetric_scale
-from quant_testing import xla_cpu
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -200,17 +200,10 @@ CONV_W = np.asarray(jax.random.normal(jax.random.key(5), (3, 3, 4, 8)), np.float
 CONV = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def _integer_conv(x_q, w_q, **options):
-  """The integer convolution, in int64 on the host's CPU (XLA:GPU has no integer convolution)."""
-  with jax.enable_x64(True), xla_cpu():
-    return np.asarray(lax.conv_general_dilated(
-        np.asarray(x_q, np.int64), np.asarray(w_q, np.int64), **options))
-
-
 def test_conv_dynamic_int8():
   x_q, x_scale = _symmetric(CONV_X, (1, 2, 3))
   w_q, w_scale = _symmetric(CONV_W, (0, 1, 2))
-  accumulator = _integer_conv(x_q, w_q, **CONV)
+  accumulator = integer_conv(x_q, w_q, **CONV)
   expected = accumulator.astype(np.float32) * (x_scale.reshape(3, 1, 1, 1)
                                               * w_scale.reshape(1, 1, 1, 8))
   y = jq.conv_general_dilated_dynamic_int8(CONV_X, CONV_W, **CONV)
@@ -222,7 +215,7 @@ def test_conv_static_int8_zero_point_with_padding_is_exact():
   x_q = np.asarray(jq.quantize_linear(CONV_X, scale, zero_point, axis=None)).astype(np.int64)
   w_q, w_scale = _symmetric(CONV_W, (0, 1, 2))
   # Zero padding of the shifted values stands for x = 0, as the float convolution pads.
-  accumulator = _integer_conv(x_q - zero_point, w_q, **CONV)
+  accumulator = integer_conv(x_q - zero_point, w_q, **CONV)
   expected = accumulator.astype(np.float32) * (scale * w_scale.reshape(1, 1, 1, 8))
   y = jq.conv_general_dilated_static_int8(CONV_X, CONV_W, **CONV, input_scale=scale,
                                           input_zero_point=zero_point)
@@ -272,7 +265,7 @@ def test_conv_int8_take_stored_int8_kernels(drop_in):
     x_q = np.asarray(jq.quantize_linear(CONV_X, *CONV_STATIC.values(), axis=None)).astype(
         np.int64) - CONV_STATIC["input_zero_point"]
     x_scale = CONV_STATIC["input_scale"]
-  accumulator = _integer_conv(x_q, per_tensor.values, **CONV)
+  accumulator = integer_conv(x_q, per_tensor.values, **CONV)
   assert_bits_equal(op(CONV_X, per_tensor, **CONV),
                     accumulator.astype(np.float32) * (x_scale * np.asarray(per_tensor.scale)))
   # A depthwise kernel has one input feature: a scale along it is one scale, per tensor.
@@ -643,9 +636,7 @@ def test_integer_conv_on_cuda_is_the_integer_conv(case):
                  rhs_dilation=case.pop("rhs_dilation", None),
                  feature_group_count=case.pop("feature_group_count", 1),
                  batch_group_count=case.pop("batch_group_count", 1))
-  with xla_cpu():  # the reference: XLA:GPU runs no integer convolution
-    want = lax.conv_general_dilated(lhs.astype(np.int32), rhs.astype(np.int32),
-                                    dimension_numbers=numbers, **options)
+  want = integer_conv(lhs, rhs, dimension_numbers=numbers, **options)
   got = jax.jit(lambda l, r: _dot_general.integer_conv_by_taps(l, r, numbers, **options))(
       lhs, rhs)
   np.testing.assert_array_equal(got, want)

@@ -47,6 +47,7 @@ from quant_testing import FLOAT_DTYPES
 from quant_testing import given_per_implementation
 from quant_testing import IMPLEMENTATIONS
 from quant_testing import INT32
+from quant_testing import integer_conv
 from quant_testing import INTEGER_DTYPES_TO_16_BITS
 from quant_testing import spec_nbits_weight
 from quant_testing import spec_quantize
@@ -54,7 +55,6 @@ from quant_testing import spec_symmetric_scale
 from quant_testing import summation_bound
 from quant_testing import summation_error
 from quant_testing import wrap_int32
-from quant_testing import xla_cpu
 
 # Every example compiles its op four ways: the whole suite is slow.
 pytestmark = pytest.mark.slow
@@ -953,9 +953,7 @@ def _integer_conv_oracle(lhs_values, lhs_scale, rhs_values, rhs_scale, layout, d
   """The int64 convolution of the integer drop-ins, then ``float32(acc) * (s_lhs * s_rhs)`` in
   ``dtype``: the lhs scale per tensor or per example, the kernel's per output feature, laid
   out along the output's batch and feature dims, their product in float32."""
-  with jax.enable_x64(True), xla_cpu():  # XLA:GPU runs no integer convolution
-    accumulator = jax.lax.conv_general_dilated(
-        np.asarray(lhs_values, np.int64), np.asarray(rhs_values, np.int64), **layout.options)
+  accumulator = integer_conv(lhs_values, rhs_values, **layout.options)
   return conv_epilogue(accumulator, lhs_scale, rhs_scale, layout.numbers.out_spec, dtype)
 
 

@@ -773,6 +773,12 @@ def test_matmul_nbits_equals_dequantize_then_matmul(m, k, n, block_size):
   np.testing.assert_allclose(grad, 2 * expected @ weight, rtol=1e-4, atol=1e-4)
 
 
+def _assert_summed_in_another_order(got, want):
+  """The kernel's float32 products summed in another order than XLA's dot: the error is
+  relative to the terms, not to a cancelled sum."""
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("bits, m, k, n, block_size, zero_points", [
     pytest.param(4, 1, 1024, 1024, 32, "packed", marks=pytest.mark.slow),
     (4, 300, 256, 384, 128, None),
@@ -797,7 +803,7 @@ def test_matmul_nbits_pallas_equals_xla(bits, m, k, n, block_size, zero_points):
     if jax.default_backend() == "cpu":
       np.testing.assert_array_equal(got, want)
     else:
-      np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+      _assert_summed_in_another_order(got, want)
 
   assert_kernel_gives(call(a, "pallas"), call(a, "xla"))
   # Closed over, interpret mode's dot could be folded by XLA's evaluator (another order).
@@ -1074,8 +1080,7 @@ def test_triton_tiling_steps_through_k(bits, tiles):
   y = kernel(a, packed, scales, zero_codes, interpret=True)
   expected = jq.matmul_nbits(a, b, scales, zero_points, K=k, N=n, bits=bits,
                              block_size=block_size, implementation="xla")
-  # Summation order differs: the error is relative to the terms, not to a cancelled sum.
-  np.testing.assert_allclose(y, expected, rtol=2e-5, atol=2e-6 * np.abs(expected).max())
+  _assert_summed_in_another_order(y, expected)
   lowered = jax.jit(kernel).trace(a, packed, scales, zero_codes).lower(
       lowering_platforms=("cuda",))
   assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -22,6 +22,7 @@ import pytest
 import jaxquant as jq
 from jaxquant import _dtypes
 from jaxquant import _numerics
+from quant_testing import assert_bits_equal
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from rounding_exhaustive import near_integers_and_ties, reference, specials  # pylint: disable=wrong-import-position
@@ -129,9 +130,7 @@ def test_division_in_float64_is_ieee_division():
   x, divisor, want, got = x[normal], divisor[normal], want[normal], got[normal]
   subnormal = (want != 0) & (np.abs(want) < tiny)
   want = np.where(subnormal, np.copysign(np.float32(0), want), want)
-  nan = np.isnan(want)
-  np.testing.assert_array_equal(np.isnan(got), nan)
-  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+  assert_bits_equal(got, want)
 
 
 def test_division_lowers_per_platform():
@@ -163,9 +162,7 @@ def test_float16_rounding_without_casts_is_the_cast():
   with np.errstate(over="ignore"):
     want = x.astype(np.float16).astype(np.float32)
   got = np.asarray(jax.jit(lambda x: _numerics.round_without_casts(x, jnp.float16))(x))
-  nan = np.isnan(want)
-  np.testing.assert_array_equal(np.isnan(got), nan)
-  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+  assert_bits_equal(got, want)
 
 
 def test_float32_rounding_without_casts_is_the_cast_under_x64():
@@ -184,9 +181,7 @@ def test_float32_rounding_without_casts_is_the_cast_under_x64():
     want = x.astype(np.float32).astype(np.float64)
   with jax.enable_x64(True):
     got = np.asarray(jax.jit(lambda x: _numerics.round_without_casts(x, jnp.float32))(x))
-  nan = np.isnan(want)
-  np.testing.assert_array_equal(np.isnan(got), nan)
-  np.testing.assert_array_equal(got[~nan].view(np.uint64), want[~nan].view(np.uint64))
+  assert_bits_equal(got, want)
 
 
 def test_float16_rounding_lowers_per_platform():
@@ -285,9 +280,7 @@ def test_float_values_by_table_are_the_cast(dtype):
   x = jnp.asarray(np.arange(2**bits, dtype=np.uint8).view(dtype))
   got = np.asarray(jax.jit(_numerics.float_values_by_table)(x))
   want = np.asarray(x.astype(jnp.float32))
-  nan = np.isnan(want)
-  np.testing.assert_array_equal(np.isnan(got), nan)
-  np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+  assert_bits_equal(got, want)
   fake = jax.jit(lambda x: jq.fake_quantize(x, 0.5, dtype=dtype))
   for platform, table in (("cuda", True), ("cpu", False)):
     text = fake.trace(jnp.ones(8)).lower(lowering_platforms=(platform,)).as_text()
