@@ -9,6 +9,9 @@ Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--fea
     - ``float32``: ``x @ w`` in float32, the bar every ratio is against;
     - ``jaxquant``: ``dot_general_dynamic_int8`` (symmetric, one scale per
       row of x) on a stored int8 :class:`QuantizedArray`;
+    - ``jaxquant, stored transposed``: the same on W stored (N, K)
+      (``QuantizationRule(transposed=True)``), its contracting dim minor;
+      checked bit for bit against ``jaxquant``;
     - ``jaxquant, float W``: the same on the float32 W, quantized per column
       at every call (a model whose layers keep float kernels);
     - ``jaxquant, ONNX model``: ``dynamic_quantize_linear`` (per tensor,
@@ -33,9 +36,10 @@ Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--fea
       ``qwix.dot_general`` with float x.
 * batched dynamic int8, shaped as a mixture of experts: ``x`` (B, M, K), M
   rows for each of B = ``--batch`` experts, and one stored int8 weight per
-  expert, (B, K, N) per column; ``dot_general_dynamic_int8`` with a batch dim
-  (qwix: its weight per expert and column, x per row), for M <= 256 (beyond,
-  the int8 product runs as a bfloat16 dot, batched or not).
+  expert, (B, K, N) per column; ``dot_general_dynamic_int8`` with a batch dim,
+  also on the weights stored transposed, (B, N, K) (qwix: its weight per
+  expert and column, x per row), for M <= 256 (beyond, without AMX, the int8
+  product runs as a bfloat16 dot, batched or not).
 
 Before timing, the ONNX-model layer is checked bit for bit against
 onnxruntime, the weight-only layer against ``lax.dot_general`` of the
@@ -202,6 +206,7 @@ def main() -> None:
   float32 = jax.jit(lambda x, w: x @ w)
   int8_session, weight_q, int8_onnx_layer, int8_onnx_way = dynamic_int8(weight, args.model_path)
   int8_weight = jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int8))
+  int8_transposed = jq.quantize_params(w, jq.QuantizationRule(dtype=jnp.int8, transposed=True))
   int8_layer = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, _DIMS))
   int4_weight = jq.quantize_params(
       w, jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=BLOCK))
@@ -212,6 +217,8 @@ def main() -> None:
   batched_weight = jnp.asarray(
       rng.standard_normal((args.batch, k, n)).astype(np.float32) / np.sqrt(k))
   batched_int8_weight = jq.quantize_params(batched_weight, jq.QuantizationRule(dtype=jnp.int8))
+  batched_transposed = jq.quantize_params(
+      batched_weight, jq.QuantizationRule(dtype=jnp.int8, transposed=True))
   batched_float32 = jax.jit(lambda x, w: lax.dot_general(x, w, _BATCHED))
   qwix_batched = _qwix_batched(batched_weight) if qwix is not None else None
   batched_int8 = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, _BATCHED))
@@ -228,6 +235,7 @@ def main() -> None:
     x = jnp.asarray(x_host)
     (expected,) = int8_session.run(None, {"x": x_host})
     np.testing.assert_array_equal(int8_onnx_layer(x, weight_q), expected)
+    np.testing.assert_array_equal(int8_layer(x, int8_transposed), int8_layer(x, int8_weight))
     np.testing.assert_array_equal(
         int4_layer(x, int4_weight), lax.dot_general(x, int4_weight.dequantize(), _DIMS))
     (expected,) = int4_session.run(None, {"x": x_host})
@@ -236,6 +244,7 @@ def main() -> None:
         "dynamic int8": {
             "float32": lambda: float32(x, w),
             "jaxquant": lambda: int8_layer(x, int8_weight),
+            "jaxquant, stored transposed": lambda: int8_layer(x, int8_transposed),
             "jaxquant, float W": lambda: int8_layer(x, w),
             "jaxquant, ONNX model": lambda: int8_onnx_layer(x, weight_q),
             "jnp, ONNX way": lambda: int8_onnx_way(x, weight_q),
@@ -254,9 +263,12 @@ def main() -> None:
     }
     if m <= 256:
       xb = jnp.asarray(rng.standard_normal((args.batch, m, k)).astype(np.float32))
+      np.testing.assert_array_equal(batched_int8(xb, batched_transposed),
+                                    batched_int8(xb, batched_int8_weight))
       cases[f"batched dynamic int8, B = {args.batch}"] = {
           "float32": lambda: batched_float32(xb, batched_weight),
           "jaxquant": lambda: batched_int8(xb, batched_int8_weight),
+          "jaxquant, stored transposed": lambda: batched_int8(xb, batched_transposed),
           **({"qwix": lambda: qwix_batched(xb)} if qwix_batched else {}),
       }
     for layer, peers in cases.items():

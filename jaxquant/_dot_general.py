@@ -103,10 +103,38 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
       error=TypeError,
   )
   values = _packing.unpacked_values(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
+  if rhs.transposed:
+    values = jnp.swapaxes(values, -1, -2)
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
     shape[axis] = rhs.shape[axis]
   return values, rhs.scale.reshape(shape)
+
+
+def _rhs_for_dot(rhs: Any, dimension_numbers: Any, info=_INT8):
+  """:func:`_rhs_quantized` for a dot: ``(values, scale, dimension_numbers)``.
+
+  A :class:`QuantizedArray` stored ``transposed`` enters the dot as it is
+  stored, the dimension numbers counting its dims: swapped back instead, a
+  contracted dim it stores minor would be major again, which the int8 dot
+  reads by slices (``_matmul._int8_rows_dot``). Unless both swapped dims are
+  free: the result keeps rhs's free dims in their order, so that swap is
+  undone first.
+  """
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+  values, scale = _rhs_quantized(rhs, rhs_contracting, info)
+  if not (isinstance(rhs, _params.QuantizedArray) and rhs.transposed):
+    return values, scale, dimension_numbers
+  ndim = len(rhs.shape)
+  bound = {d % ndim for d in (*rhs_contracting, *rhs_batch)}
+  if not bound & {ndim - 2, ndim - 1}:
+    return values, scale, dimension_numbers
+
+  def stored(dims):
+    return tuple(rhs.stored_dim(d % ndim) for d in dims)
+
+  return rhs.values, jnp.swapaxes(scale, -1, -2), (
+      (lhs_contracting, stored(rhs_contracting)), (lhs_batch, stored(rhs_batch)))
 
 
 def _result_dtype(lhs, rhs, preferred_element_type):
@@ -314,8 +342,8 @@ def dot_general_dynamic_int8(
 
   def integer(lhs, rhs):
     lhs_values, lhs_scale = _quantize_symmetric(lhs, lhs_contracting, lhs_info)
-    rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting, rhs_info)
-    return _integer_dot(lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding,
+    rhs_values, rhs_scale, numbers = _rhs_for_dot(rhs, dimension_numbers, rhs_info)
+    return _integer_dot(lhs_values, rhs_values, numbers, result_dtype, out_sharding,
                         lhs_scale=lhs_scale, rhs_scale=rhs_scale)
 
   def fake_quantized(lhs, rhs):
@@ -390,9 +418,9 @@ def dot_general_static_int8(
 
   def integer(lhs, rhs, scale, zero_point):
     lhs_values = _static_lhs(lhs, scale, zero_point)
-    rhs_values, rhs_scale = _rhs_quantized(rhs, rhs_contracting)
+    rhs_values, rhs_scale, numbers = _rhs_for_dot(rhs, dimension_numbers)
     return _integer_dot(
-        lhs_values, rhs_values, dimension_numbers, result_dtype, out_sharding,
+        lhs_values, rhs_values, numbers, result_dtype, out_sharding,
         lhs_scale=scale, rhs_scale=rhs_scale, lhs_zero_point=zero_point,
     )
 

@@ -27,6 +27,8 @@ def _onnx():
 def _weight_tensor(onnx, name: str, weight: _params.QuantizedArray):
   """The quantized values as an initializer of their ONNX type (packed bytes are ONNX's layout)."""
   values = np.asarray(weight.values)
+  if weight.transposed:
+    values = np.ascontiguousarray(values.T)
   if weight.packed:
     if values.ndim > 1:  # pack's row layout (a sharded weight): ONNX reads the flat one
       values = np.asarray(_packing.pack(

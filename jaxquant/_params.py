@@ -54,7 +54,8 @@ def _per_layer(function: Any, stack: int) -> Any:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["values", "scale", "zero_point"],
-    meta_fields=["dtype", "shape", "axis", "block_size", "packed", "output_dtype"],
+    meta_fields=["dtype", "shape", "axis", "block_size", "packed", "output_dtype",
+                 "transposed"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -82,6 +83,11 @@ class QuantizedArray:
     block_size: block length along ``axis``, 0 if not blocked (static).
     packed: whether ``values`` holds packed bytes (static).
     output_dtype: the float dtype :meth:`dequantize` returns (static).
+    transposed: whether ``values`` hold the tensor with its last two dims
+      swapped (static): a ``(K, N)`` kernel stored as ``(N, K)``, so that an
+      integer dot contracting K reads it along its minor dim
+      (``QuantizationRule.transposed``); ``shape``, ``axis``, the scale and
+      :meth:`dequantize` stay the tensor's.
   """
 
   values: jax.Array
@@ -93,17 +99,38 @@ class QuantizedArray:
   block_size: int
   packed: bool
   output_dtype: np.dtype
+  transposed: bool = False
 
   def dequantize(self) -> jax.Array:
     """The float tensor, :func:`dequantize_linear` of the values (bit for bit); a stack's
     layers each so, stacked."""
     sub_byte = self.packed or _dtypes.quantized_dtype("dtype", self.dtype).as_codes
     dequantize = functools.partial(
-        _linear.dequantize_linear, axis=self.axis, block_size=self.block_size,
+        _linear.dequantize_linear, axis=self.stored_axis, block_size=self.block_size,
         output_dtype=self.output_dtype, packed_shape=self.shape if self.packed else None,
         packed_dtype=self.dtype if sub_byte else None,
     )
-    return _per_layer(dequantize, stacked_dims(self))(self.values, self.scale, self.zero_point)
+    values = _per_layer(dequantize, stacked_dims(self))(self.values, self.scale, self.zero_point)
+    return jnp.swapaxes(values, -1, -2) if self.transposed else values
+
+  def stored_dim(self, dim: int) -> int:
+    """Where one layer's dim ``dim`` (non-negative) lies in its stored ``values``."""
+    last = len(self.shape) - 1
+    if not self.transposed or dim < last - 1:
+      return dim
+    return 2 * last - 1 - dim
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    """One layer's ``values`` shape, unpacked: ``shape``, its last two dims swapped if
+    ``transposed``."""
+    shape = tuple(self.shape)
+    return shape[:-2] + shape[:-3:-1] if self.transposed else shape
+
+  @property
+  def stored_axis(self) -> int | None:
+    """``axis`` counted in :attr:`stored_shape`."""
+    return None if self.axis is None else self.stored_dim(self.axis % len(self.shape))
 
   @property
   def nbytes(self) -> int:
@@ -121,7 +148,7 @@ class QuantizedArray:
     jax.tree_util.register_dataclass,
     data_fields=["value", "scale"],
     meta_fields=["dtype", "axis", "block_size", "packed", "grad_factor", "output_dtype",
-                 "layer_ndim"],
+                 "layer_ndim", "transposed"],
 )
 @dataclasses.dataclass(frozen=True)
 class FakeQuantizedArray:
@@ -147,6 +174,8 @@ class FakeQuantizedArray:
       :meth:`QuantizedArray.dequantize` of the deployed weight computes.
     layer_ndim: the rank of one layer's weight, below any leading stack dims
       (``QuantizationRule.stacked_dims``); ``None``: the value's rank (static).
+    transposed: whether :func:`quantize_params` deploys it with its values
+      stored transposed (``QuantizationRule.transposed``; static).
   """
 
   value: jax.Array
@@ -158,6 +187,7 @@ class FakeQuantizedArray:
   grad_factor: float
   output_dtype: np.dtype | None = None
   layer_ndim: int | None = None
+  transposed: bool = False
 
   def dequantize(self) -> jax.Array:
     """The fake-quantized weight, :func:`fake_quantize_learnable` in the weight's dtype
@@ -202,10 +232,10 @@ def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") ->
         "QuantizationRule(stacked_dims=...))", np.shape(x.value))
     return stack
   shape, values = tuple(x.shape), tuple(np.shape(x.values))
-  layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (shape,)
+  layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (x.stored_shape,)
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
-  if not x.packed and len(values) == len(shape):
+  if not x.packed and len(values) == len(shape) and not x.transposed:
     # Inside jax.shard_map unpacked values are a shard of shape, read as they are.
     stacked = [0]
   # The fewest stack dims where two layouts fit (a one-row matrix, flat or in rows).
@@ -263,6 +293,12 @@ class QuantizationRule:
       made by ``nnx.vmap`` and run by ``nnx.scan``): each layer is quantized on
       its own, as if alone (``axis`` and ``min_ndim`` count its dims), and the
       stored arrays keep the stack dims for ``nnx.scan`` to slice.
+    transposed: store each matched parameter's values with their last two
+      dims swapped (:attr:`QuantizedArray.transposed`): a Dense kernel
+      ``(K, N)`` as ``(N, K)``, the contracted dim minor, which XLA:CPU's int8
+      dot reads without repacking the weight at every call
+      (``dot_general_dynamic_int8``, ``dot_general_static_int8``;
+      docs/models.md, "Serving"). Not blocked, unpacked.
   """
 
   pattern: str = ".*"
@@ -273,6 +309,7 @@ class QuantizationRule:
   min_ndim: int = 2
   packed: bool = True
   stacked_dims: int = 0
+  transposed: bool = False
 
 
 def _check_rule(rule: QuantizationRule) -> None:
@@ -286,6 +323,7 @@ def _check_rule(rule: QuantizationRule) -> None:
     value = _validate.static_int(f"rule.{name}", getattr(rule, name))
     _validate.check(value >= 0, f"rule.{name}", "a non-negative int", value)
   _recipes.METHOD("rule.method", rule.method)
+  _validate.static_bool("rule.transposed", rule.transposed)
 
 
 def path_name(path: Sequence[Any]) -> str:
@@ -355,7 +393,24 @@ def _quantize(leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
   if rule.method != "minmax":
     zero_point = None
   with _checked.unchecked():  # the scale is the recipe's, not the caller's
-    return _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
+    quantized = _from_scale(leaf, scale, zero_point, rule.dtype, axis, rule.block_size, packed)
+  return _transposed(quantized) if rule.transposed else quantized
+
+
+def _check_transposable(shape: tuple[int, ...], block_size: int, packed: bool) -> None:
+  _validate.check(
+      len(shape) >= 2 and not packed and not block_size, "rule.transposed",
+      "False unless the parameter has two dims or more (after stacked_dims) and is neither "
+      "blocked nor packed (packed=False, or 8 bits or more)",
+      f"True for shape {shape}, block_size={block_size}, packed={packed}",
+  )
+
+
+def _transposed(quantized: QuantizedArray) -> QuantizedArray:
+  """One layer's :class:`QuantizedArray` with its values' last two dims swapped."""
+  _check_transposable(quantized.shape, quantized.block_size, quantized.packed)
+  return dataclasses.replace(
+      quantized, values=jnp.swapaxes(quantized.values, -1, -2), transposed=True)
 
 
 def _splits_minor_dim(x: jax.Array) -> bool:
@@ -408,16 +463,21 @@ def _learnable(leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
       "one keeping every symbolic dim with learnable=True (the gradient factor "
       "1/sqrt(elements per scale * qmax) is static)", f"{per_scale} elements per scale",
   )
+  if rule.transposed:
+    _check_transposable(leaf.shape, rule.block_size, packed)
   return FakeQuantizedArray(
       leaf, scale, info.dtype, axis, rule.block_size, packed,
       _fake.lsq_grad_factor(max(1, per_scale), dtype=info.dtype), layer_ndim=leaf.ndim,
+      transposed=rule.transposed,
   )
 
 
 def _freeze(leaf: FakeQuantizedArray) -> QuantizedArray:
-  freeze = functools.partial(
-      _from_scale, zero_point=None, dtype=leaf.dtype, axis=leaf.axis,
-      block_size=leaf.block_size, packed=leaf.packed)
+  def freeze(value, scale):
+    quantized = _from_scale(
+        value, scale, None, leaf.dtype, leaf.axis, leaf.block_size, leaf.packed)
+    return _transposed(quantized) if leaf.transposed else quantized
+
   return _per_layer(freeze, stacked_dims(leaf))(leaf.value, leaf.scale)
 
 

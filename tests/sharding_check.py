@@ -1060,6 +1060,8 @@ def served_model_cases():
   nnx, graphdef, state, placed = _mlp(mesh, seed=0)
   for flow, rule, op in [
       ("dynamic_int8", jq.QuantizationRule(pattern="kernel"), jq.dot_general_dynamic_int8),
+      ("dynamic_int8_transposed", jq.QuantizationRule(pattern="kernel", transposed=True),
+       jq.dot_general_dynamic_int8),
       ("weight_only_int4", jq.QuantizationRule(pattern="kernel", dtype=jnp.int4, axis=-2,
                                                block_size=32), jq.dot_general_weight_only),
   ]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 
 import jax
 from jax import lax
@@ -69,6 +71,69 @@ def test_dynamic_int8_takes_stored_int8_weights():
                 jq.QuantizationRule(method="minmax")):
     with pytest.raises(TypeError, match="rhs"):
       jq.dot_general_dynamic_int8(X, jq.quantize_params(W, wrong), DENSE)
+
+
+INT8_DROP_INS = {
+    "dynamic": jq.dot_general_dynamic_int8,
+    "static": functools.partial(jq.dot_general_static_int8, input_scale=0.02,
+                                input_zero_point=-3),
+}
+
+
+# (lhs shape, rhs shape, dimension numbers): LAYOUTS, and experts' weights (a batch dim).
+TRANSPOSED_LAYOUTS = [*LAYOUTS, ((3, 2, 16), (3, 16, 4), (((2,), (1,)), ((0,), (0,))))]
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["per-feature", "per-tensor"])
+@pytest.mark.parametrize("lhs_shape, rhs_shape, numbers", TRANSPOSED_LAYOUTS)
+@pytest.mark.parametrize("drop_in", INT8_DROP_INS)
+def test_int8_drop_ins_give_a_weight_stored_transposed_the_same_bits(
+    drop_in, lhs_shape, rhs_shape, numbers, per_tensor):
+  """Eager, under jit, closed over, under vmap and grad: the bits of the weight stored as it
+  is, whether the swapped dims are contracted, batched or (an einsum kernel's) both free."""
+  op = INT8_DROP_INS[drop_in]
+  lhs = np.asarray(jax.random.normal(jax.random.key(5), lhs_shape), np.float32)
+  rhs = np.asarray(jax.random.normal(jax.random.key(6), rhs_shape), np.float32)
+  (_, rhs_contracting), (_, rhs_batch) = numbers
+  free = [d for d in range(len(rhs_shape)) if d not in (*rhs_contracting, *rhs_batch)]
+  rule = jq.QuantizationRule(axis=None if per_tensor else max(free))
+  stored = jq.quantize_params(rhs, rule)
+  transposed = jq.quantize_params(rhs, dataclasses.replace(rule, transposed=True))
+
+  def product(x, w):
+    return op(x, w, numbers)
+
+  def loss(x, w):
+    return jnp.sum(jnp.sin(product(x, w)))
+
+  want = product(lhs, stored)
+  assert_bits_equal(product(lhs, transposed), want)
+  assert_bits_equal(jax.jit(product)(lhs, transposed), want)
+  assert_bits_equal(jax.jit(lambda x: product(x, transposed))(lhs), want)
+  rows = jax.vmap(product, in_axes=(0, None))
+  assert_bits_equal(rows(lhs[None], transposed), rows(lhs[None], stored))
+  assert_bits_equal(jax.grad(loss)(lhs, transposed), jax.grad(loss)(lhs, stored))
+  # The scale's gradient sums over the weight in the order it is stored: for one scale
+  # of the whole weight, a float sum of terms of both signs in another order.
+  scale_gradient = jax.grad(lambda scale, w: loss(lhs, dataclasses.replace(w, scale=scale)))
+  np.testing.assert_allclose(scale_gradient(transposed.scale, transposed),
+                             scale_gradient(stored.scale, stored), rtol=1e-5)
+
+
+@pytest.mark.xla_cpu
+def test_a_weight_stored_transposed_is_read_as_stored_by_one_int8_dot():
+  """K = 4096: a (K, N) weight is contracted in slices (a batch dim of 2048-deep views),
+  the weight stored (N, K) by one dot that contracts its minor dim, the values not copied."""
+  w = np.asarray(jax.random.normal(jax.random.key(4), (4096, 8)), np.float32)
+  transposed = jq.quantize_params(w, jq.QuantizationRule(transposed=True))
+  hlo = jax.jit(lambda x, w: jq.dot_general_dynamic_int8(x, w, DENSE)).lower(
+      np.ones((3, 4096), np.float32), transposed).compile().as_text()
+  dots = [line for line in hlo.splitlines() if " dot(" in line]
+  assert len(dots) == 1 and "batch_dims" not in dots[0], dots
+  assert "rhs_contracting_dims={1}" in dots[0], dots
+  weight_sized = {shape for shape in re.findall(r"s8\[([\d,]+)\]", hlo)
+                  if math.prod(int(d) for d in shape.split(",")) == w.size}
+  assert weight_sized == {"8,4096"}, weight_sized
 
 
 def test_dynamic_int8_dtypes_and_zero_rows():
@@ -495,10 +560,11 @@ def test_export_reads_the_row_layout_of_a_sharded_weight():
   np.testing.assert_array_equal(w, flat.dequantize())
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored", "stored-transposed"])
 @pytest.mark.parametrize("optimize", [False, True], ids=["unoptimized", "optimized"])
 @pytest.mark.parametrize("axis", [None, -1])
-def test_export_dynamic_int8_bit_for_bit_in_onnxruntime(axis, optimize):
-  weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis))
+def test_export_dynamic_int8_bit_for_bit_in_onnxruntime(axis, optimize, transposed):
+  weight = jq.quantize_params(W, jq.QuantizationRule(axis=axis, transposed=transposed))
   model = jq.export_onnx(weight, BIAS, activations="dynamic_int8")
   onnx.checker.check_model(model)
   (y,) = _run_onnxruntime(model, EDGE_X, optimize=optimize)

@@ -559,6 +559,8 @@ class _Stack(nnx.Module):
 
 @pytest.mark.parametrize("rule, op", [
     (jq.QuantizationRule(pattern="kernel", stacked_dims=1), jq.dot_general_dynamic_int8),
+    (jq.QuantizationRule(pattern="kernel", stacked_dims=1, transposed=True),
+     jq.dot_general_dynamic_int8),
     (jq.QuantizationRule(pattern="kernel", stacked_dims=1, dtype=jnp.int4, axis=-2,
                          block_size=4), jq.dot_general_weight_only),
 ])

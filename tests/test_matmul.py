@@ -995,7 +995,7 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
       env={**os.environ, "PYTHONPATH": str(root)},
   )
   rows = [line for line in result.stdout.splitlines() if line.startswith("| dynamic int8 | 2")]
-  assert len(rows) == 6 + ("qwix not installed" not in result.stdout), result.stdout
+  assert len(rows) == 7 + ("qwix not installed" not in result.stdout), result.stdout
   assert result.stdout.count("load average") == 2, result.stdout
 
 

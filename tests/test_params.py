@@ -32,7 +32,14 @@ LAYOUTS = [
     jq.QuantizationRule(dtype=jnp.float4_e2m1fn, axis=-2, block_size=32),
     jq.QuantizationRule(dtype=jnp.float6_e2m3fn, axis=-2, block_size=32),
     jq.QuantizationRule(dtype=jnp.float6_e2m3fn, axis=-2, block_size=32, packed=False),  # codes
+    jq.QuantizationRule(transposed=True),
+    jq.QuantizationRule(dtype=jnp.int4, axis=0, method="minmax", packed=False, transposed=True),
 ]
+
+
+def _rule_id(rule):
+  return (f"{np.dtype(rule.dtype).name}-{rule.block_size}"
+          + ("-transposed" if rule.transposed else ""))
 
 
 def _is_quantized(leaf):
@@ -43,7 +50,7 @@ def _leaves(tree):
   return jax.tree.leaves(tree, is_leaf=_is_quantized)
 
 
-@pytest.mark.parametrize("rule", LAYOUTS, ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}")
+@pytest.mark.parametrize("rule", LAYOUTS, ids=_rule_id)
 def test_dequantize_is_quantize_then_dequantize_linear(rule):
   w = PARAMS["encoder"]["kernel"]
   quantized = jq.quantize_params(w, rule)
@@ -186,7 +193,8 @@ def test_grad_reaches_the_float_parts():
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", [jq.QuantizationRule(),
                                   jq.QuantizationRule(dtype=jnp.int4, axis=-2, block_size=32),
-                                  jq.QuantizationRule(dtype=jnp.int2, method="qmax_plus_half")])
+                                  jq.QuantizationRule(dtype=jnp.int2, method="qmax_plus_half"),
+                                  jq.QuantizationRule(transposed=True)], ids=_rule_id)
 def test_learnable_then_quantize_params_deploys_bit_for_bit(rule):
   fake = jq.quantize_params({k: v for k, v in PARAMS.items() if k != "step"}, rule,
                             learnable=True)
@@ -203,6 +211,7 @@ def test_learnable_then_quantize_params_deploys_bit_for_bit(rule):
   for fake_leaf, leaf in zip(_leaves(fake), _leaves(deployed)):
     if isinstance(fake_leaf, jq.FakeQuantizedArray):
       assert isinstance(leaf, jq.QuantizedArray) and leaf.dtype == np.dtype(rule.dtype)
+      assert leaf.transposed == rule.transposed
       np.testing.assert_array_equal(leaf.dequantize(), fake_leaf.dequantize())
 
 
@@ -365,6 +374,36 @@ def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
   assert run_on_cpu_devices(SHARDED_PACKED, 8).strip() == "ok"
 
 
+@pytest.mark.parametrize("rule", [jq.QuantizationRule(), jq.QuantizationRule(axis=None),
+                                  jq.QuantizationRule(dtype=jnp.uint8, axis=0, method="minmax")],
+                         ids=["per-column", "per-tensor", "per-row"])
+def test_transposed_stores_the_values_transposed(rule):
+  """The values of the matrix (K, N) stored (N, K); the rest of the layout is the matrix's."""
+  w = PARAMS["encoder"]["kernel"]
+  stored = jq.quantize_params(w, rule)
+  transposed = jq.quantize_params(w, dataclasses.replace(rule, transposed=True))
+  assert transposed.transposed and not stored.transposed
+  assert transposed.values.shape == (16, 70) and transposed.shape == (70, 16)
+  assert (transposed.axis, transposed.stored_shape) == (stored.axis, (16, 70))
+  assert_bits_equal(transposed.values, stored.values.T)
+  for name in ("scale", "zero_point"):
+    jax.tree.map(assert_bits_equal, getattr(transposed, name), getattr(stored, name))
+  assert_bits_equal(transposed.dequantize(), stored.dequantize())
+  assert_bits_equal(jax.jit(lambda x: x.dequantize())(transposed), stored.dequantize())
+  assert transposed.nbytes == stored.nbytes
+
+
+@pytest.mark.parametrize("rule", [
+    jq.QuantizationRule(dtype=jnp.int4, transposed=True),                  # packed
+    jq.QuantizationRule(axis=0, block_size=32, transposed=True),
+    jq.QuantizationRule(min_ndim=1, transposed=True),                      # the bias
+])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_transposed_is_refused_where_values_cannot_be_swapped(rule, learnable):
+  with pytest.raises(ValueError, match=r"^quantize_params: rule\.transposed must be False unless"):
+    jq.quantize_params(PARAMS["encoder"], rule, learnable=learnable)
+
+
 @pytest.mark.parametrize("rules, learnable, error, match", [
     ("int8", False, TypeError, "rules"),
     (jq.QuantizationRule(dtype=jnp.float32), False, TypeError, "dtype"),
@@ -384,13 +423,15 @@ def test_sharded_packed_int4_and_int2_stay_sharded_on_8_devices():
      r"^quantize_params: rule\.pattern must be a regular expression, got None"),
     (jq.QuantizationRule(method="max"), False, ValueError,
      r"^quantize_params: rule\.method must be 'absmax', .*, got 'max'\.$"),
+    (jq.QuantizationRule(transposed="yes"), False, TypeError,
+     r"^quantize_params: rule\.transposed must be a bool, got 'yes'\.$"),
 ])
 def test_errors_name_the_argument(rules, learnable, error, match):
   with pytest.raises(error, match=match):
     jq.quantize_params(PARAMS, rules, learnable=learnable)
 
 
-@pytest.mark.parametrize("rule", LAYOUTS, ids=lambda r: f"{np.dtype(r.dtype).name}-{r.block_size}")
+@pytest.mark.parametrize("rule", LAYOUTS, ids=_rule_id)
 def test_a_stack_is_each_layer_quantized_alone(rule):
   """stacked_dims=2: a (2, 3) grid of (70, 16) layers, each quantized as if alone; the
   stack dequantizes to the stacked layers, and vmap or indexing its arrays gives a layer."""
