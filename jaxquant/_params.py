@@ -235,7 +235,7 @@ def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") ->
   layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (x.stored_shape,)
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
-  if not x.packed and len(values) == len(shape) and not x.transposed:
+  if not x.packed and len(values) == len(shape):
     # Inside jax.shard_map unpacked values are a shard of shape, read as they are.
     stacked = [0]
   # The fewest stack dims where two layouts fit (a one-row matrix, flat or in rows).

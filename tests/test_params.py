@@ -516,6 +516,13 @@ SHARD_MAPPED = textwrap.dedent("""
     local = jax.jit(jax.shard_map(lambda q: q.dequantize(), mesh=mesh, in_specs=(specs,),
                                   out_specs=P("x")))
     assert np.array_equal(local(split), q.dequantize())
+    t = jq.quantize_params(jax.random.normal(jax.random.key(0), (16, 8)),
+                           jq.QuantizationRule(transposed=True))  # values (8, 16)
+    split = dataclasses.replace(t, values=put(t.values, P(None, "x")), scale=put(t.scale, P()))
+    specs = dataclasses.replace(t, values=P(None, "x"), scale=P())
+    local = jax.jit(jax.shard_map(lambda t: t.dequantize(), mesh=mesh, in_specs=(specs,),
+                                  out_specs=P("x")))
+    assert np.array_equal(local(split), q.dequantize())
     print("ok")
 """)
 
