@@ -232,6 +232,10 @@ def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") ->
         "QuantizationRule(stacked_dims=...))", np.shape(x.value))
     return stack
   shape, values = tuple(x.shape), tuple(np.shape(x.values))
+  _validate.check(
+      not x.transposed or (len(shape) >= 2 and not x.packed and not x.block_size),
+      f"{argument}.transposed", "False for fewer than two dims, packed or blocked values",
+      f"True for shape {shape}, packed={x.packed}, block_size={x.block_size}")
   layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (x.stored_shape,)
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]

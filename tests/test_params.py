@@ -404,6 +404,15 @@ def test_transposed_is_refused_where_values_cannot_be_swapped(rule, learnable):
     jq.quantize_params(PARAMS["encoder"], rule, learnable=learnable)
 
 
+@pytest.mark.parametrize("changes", [dict(shape=(70,)), dict(block_size=32, axis=0)],
+                         ids=["vector", "blocked"])
+def test_a_transposed_array_built_by_hand_is_checked(changes):
+  stored = jq.quantize_params(PARAMS["encoder"]["kernel"], jq.QuantizationRule(axis=None))
+  wrong = dataclasses.replace(stored, transposed=True, **changes)
+  with pytest.raises(ValueError, match=r"x\.transposed must be False for fewer than two dims"):
+    wrong.dequantize()
+
+
 @pytest.mark.parametrize("rules, learnable, error, match", [
     ("int8", False, TypeError, "rules"),
     (jq.QuantizationRule(dtype=jnp.float32), False, TypeError, "dtype"),

@@ -120,14 +120,16 @@ def test_checked_on_a_split_x_keeps_it_split_and_moves_nothing(cases):
 @pytest.mark.slow
 def test_served_model_split_megatron_style_moves_no_weight(cases):
   """Kernels stored in an NNX model's layers, split along the first layer's outputs
-  and the second's inputs: the integer model is one device's bit for bit, the
-  weight-only one within float32 rounding (its K-split float sums), and neither
-  gathers, exchanges or permutes anything a weight shard's quarter in size."""
+  and the second's inputs: the integer models (int8 kernels stored as they are and
+  transposed) are one device's bit for bit, the weight-only one within float32
+  rounding (its K-split float sums), and none gathers, exchanges or permutes
+  anything a weight shard's quarter in size."""
   served = {name: case for name, case in cases.items() if name.startswith("served")}
-  assert len(served) == 2, served
+  assert len(served) == 3, served
   assert all(case["close"] and case["sharding"] and case["collectives"] == []
              for case in served.values()), served
-  assert served["served 1d dynamic_int8 megatron -"]["equal"], served
+  for flow in ("dynamic_int8", "dynamic_int8_transposed"):
+    assert served[f"served 1d {flow} megatron -"]["equal"], served
 
 
 @pytest.mark.slow
