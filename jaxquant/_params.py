@@ -232,10 +232,8 @@ def stacked_dims(x: QuantizedArray | FakeQuantizedArray, argument: str = "x") ->
         "QuantizationRule(stacked_dims=...))", np.shape(x.value))
     return stack
   shape, values = tuple(x.shape), tuple(np.shape(x.values))
-  _validate.check(
-      not x.transposed or (len(shape) >= 2 and not x.packed and not x.block_size),
-      f"{argument}.transposed", "False for fewer than two dims, packed or blocked values",
-      f"True for shape {shape}, packed={x.packed}, block_size={x.block_size}")
+  if x.transposed:
+    _check_transposable(f"{argument}.transposed", shape, x.block_size, x.packed)
   layouts = _packing.packed_layouts(shape, x.dtype) if x.packed else (x.stored_shape,)
   stacked = [len(values) - len(layout) for layout in layouts
              if len(values) >= len(layout) and values[len(values) - len(layout):] == layout]
@@ -401,10 +399,12 @@ def _quantize(leaf: jax.Array, rule: QuantizationRule) -> QuantizedArray:
   return _transposed(quantized) if rule.transposed else quantized
 
 
-def _check_transposable(shape: tuple[int, ...], block_size: int, packed: bool) -> None:
+def _check_transposable(argument: str, shape: tuple[int, ...], block_size: int,
+                        packed: bool) -> None:
+  """Values stored transposed swap a layer's last two dims, unpacked and unblocked."""
   _validate.check(
-      len(shape) >= 2 and not packed and not block_size, "rule.transposed",
-      "False unless the parameter has two dims or more (after stacked_dims) and is neither "
+      len(shape) >= 2 and not packed and not block_size, argument,
+      "False unless the layer has two dims or more (after any stack dims) and is neither "
       "blocked nor packed (packed=False, or 8 bits or more)",
       f"True for shape {shape}, block_size={block_size}, packed={packed}",
   )
@@ -412,7 +412,8 @@ def _check_transposable(shape: tuple[int, ...], block_size: int, packed: bool) -
 
 def _transposed(quantized: QuantizedArray) -> QuantizedArray:
   """One layer's :class:`QuantizedArray` with its values' last two dims swapped."""
-  _check_transposable(quantized.shape, quantized.block_size, quantized.packed)
+  _check_transposable("rule.transposed", quantized.shape, quantized.block_size,
+                      quantized.packed)
   return dataclasses.replace(
       quantized, values=jnp.swapaxes(quantized.values, -1, -2), transposed=True)
 
@@ -468,7 +469,7 @@ def _learnable(leaf: jax.Array, rule: QuantizationRule) -> FakeQuantizedArray:
       "1/sqrt(elements per scale * qmax) is static)", f"{per_scale} elements per scale",
   )
   if rule.transposed:
-    _check_transposable(leaf.shape, rule.block_size, packed)
+    _check_transposable("rule.transposed", leaf.shape, rule.block_size, packed)
   return FakeQuantizedArray(
       leaf, scale, info.dtype, axis, rule.block_size, packed,
       _fake.lsq_grad_factor(max(1, per_scale), dtype=info.dtype), layer_ndim=leaf.ndim,
