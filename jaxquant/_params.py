@@ -300,7 +300,10 @@ class QuantizationRule:
       ``(K, N)`` as ``(N, K)``, the contracted dim minor, which XLA:CPU's int8
       dot reads without repacking the weight at every call
       (``dot_general_dynamic_int8``, ``dot_general_static_int8``;
-      docs/models.md, "Serving"). Not blocked, unpacked.
+      docs/models.md, "Serving"). Not blocked, unpacked. Drop-ins that read
+      :meth:`QuantizedArray.dequantize` (weight-only, fake-quant) get the
+      same bits, the float weight swapped back, which can cost more than
+      their dot.
   """
 
   pattern: str = ".*"
