@@ -712,8 +712,11 @@ def explicit_mesh_layer_cases():
   a_zero_point = rng.integers(0, 256, rows).astype(np.uint8)
   b = rng.integers(-128, 128, (depth, n), np.int8)
   x = rng.standard_normal((rows, depth)).astype(np.float32)
-  weight = jq.quantize_params(jnp.asarray(rng.standard_normal((depth, n)), jnp.float32) / 16,
-                              jq.QuantizationRule(dtype=jnp.int8))
+  weight_float = jnp.asarray(rng.standard_normal((depth, n)), jnp.float32) / 16
+  weight = jq.quantize_params(weight_float, jq.QuantizationRule(dtype=jnp.int8))
+  # Stored (n, depth): the split of K is the values' second dim.
+  transposed = jq.quantize_params(weight_float, jq.QuantizationRule(dtype=jnp.int8,
+                                                                    transposed=True))
   image = rng.standard_normal((2, 5, 5, 16)).astype(np.float32)
   kernel = (rng.standard_normal((3, 3, 16, 8)) / 8).astype(np.float32)
   # Blocks of 2 rows: a device's 2 rows are one block.
@@ -767,6 +770,10 @@ def explicit_mesh_layer_cases():
        (P(None, "c"), P("c", None)), replicated),
       ("dot_general_static_int8 K", static, (x, jax.tree.map(np.asarray, weight)),
        (P(None, "c"), P("c", None)), replicated),
+      ("dot_general_static_int8 transposed rows", static, (x, transposed),
+       (P("c", None), None), P("c", None)),
+      ("dot_general_dynamic_int8 transposed K", dynamic, (x, jax.tree.map(np.asarray, transposed)),
+       (P(None, "c"), P(None, "c")), replicated),
       ("conv_general_dilated_dynamic_int8 C", conv, (image, kernel),
        (P(None, None, None, "c"), P(None, None, "c", None)), replicated),
       # Parameters whole on every device, expanded unsplit.

@@ -366,11 +366,12 @@ def test_explicit_mesh_layers_move_no_operand(cases):
   so K split raised as jnp.matmul's does without one). An observer of a split
   batch (before: a ShardingTypeError at its flattening) gathers the batch once.
   A (batch, M, K) activation split along M (before: a ShardingTypeError at the
-  merge of its free dims into rows) keeps its split.
+  merge of its free dims into rows) keeps its split. An int8 kernel stored
+  transposed, whole or split along K (its values' minor dim), does the same.
   """
   explicit = {name: case for name, case in cases.items()
               if name.startswith("explicit") and "pack" not in name}
-  assert len(explicit) == 15, explicit
+  assert len(explicit) == 17, explicit
   assert all(case["equal"] and case["sharding"] for case in explicit.values()), explicit
   observers = [name for name in explicit if " observe " in name]
   assert {name: case["collectives"] for name, case in explicit.items()} == {
