@@ -1013,9 +1013,15 @@ def test_int8_dot_on_cuda_is_the_exact_bfloat16_dot(shape, largest):
   a, b = _integers(rng, np.int8, (m, k)), _integers(rng, np.int8, (k, n))
   if largest:  # sums past 2**24 (9000 slices' worth), all of one sign
     a, b = (-128 + np.abs(a) % 3).astype(np.int8), (-128 + np.abs(b) % 3).astype(np.int8)
+  want = a.astype(np.int32) @ b.astype(np.int32)
   dims = (((1,), (0,)), ((), ()))
   got = jax.jit(functools.partial(_matmul.exact_bfloat16_dot, dimension_numbers=dims))(a, b)
-  np.testing.assert_array_equal(got, a.astype(np.int32) @ b.astype(np.int32))
+  np.testing.assert_array_equal(got, want)
+  # b stored (n, k), as QuantizationRule(transposed=True) stores a kernel: its K minor.
+  stored = (((1,), (1,)), ((), ()))
+  got = jax.jit(functools.partial(_matmul.exact_bfloat16_dot, dimension_numbers=stored))(
+      a, np.ascontiguousarray(b.T))
+  np.testing.assert_array_equal(got, want)
   text = jax.jit(lambda a, b: jq.matmul_integer(a, b)).trace(a, b).lower(
       lowering_platforms=("cuda",)).as_text()
   dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
