@@ -80,13 +80,15 @@ def _quantize_symmetric(x: ArrayLike, reduced: Sequence[int], info=_INT8):
 
 
 def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
-                   kept: str = "a dim that is not contracted"):
+                   kept: str = "a dim that is not contracted", as_stored: bool = False):
   """rhs as symmetric ``info.dtype`` with a scale of its rank, 1 along the ``reduced`` dims.
 
   A float rhs is quantized here, one scale per index of the other dims; a
   :class:`QuantizedArray` (of ``info.dtype``, no zero point, scale per tensor
-  or along a dim that is not reduced; packed values unpacked) is used as it is.
-  ``kept`` names the dims a scale may run along, for the error.
+  or along a dim that is not reduced; packed values unpacked) is used as it is:
+  in the tensor's dim order, or with ``as_stored`` in its values' (the last
+  two swapped where it is ``transposed``). ``kept`` names the dims a scale may
+  run along, for the error.
   """
   if not isinstance(rhs, _params.QuantizedArray):
     return _quantize_symmetric(rhs, reduced, info)
@@ -103,11 +105,11 @@ def _rhs_quantized(rhs: Any, reduced: Sequence[int], info=_INT8, *,
       error=TypeError,
   )
   values = _packing.unpacked_values(rhs.values, rhs.shape, rhs.dtype) if rhs.packed else rhs.values
-  if rhs.transposed:
+  if rhs.transposed and not as_stored:
     values = jnp.swapaxes(values, -1, -2)
   shape = [1] * len(rhs.shape)
   if rhs.scale.size > 1:
-    shape[axis] = rhs.shape[axis]
+    shape[rhs.stored_dim(axis) if as_stored else axis] = rhs.shape[axis]
   return values, rhs.scale.reshape(shape)
 
 
@@ -122,18 +124,18 @@ def _rhs_for_dot(rhs: Any, dimension_numbers: Any, info=_INT8):
   undone first.
   """
   (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-  values, scale = _rhs_quantized(rhs, rhs_contracting, info)
-  if not (isinstance(rhs, _params.QuantizedArray) and rhs.transposed):
-    return values, scale, dimension_numbers
-  ndim = len(rhs.shape)
-  bound = {d % ndim for d in (*rhs_contracting, *rhs_batch)}
-  if not bound & {ndim - 2, ndim - 1}:
+  as_stored = False
+  if isinstance(rhs, _params.QuantizedArray) and rhs.transposed:
+    ndim = len(rhs.shape)
+    as_stored = any(d % ndim >= ndim - 2 for d in (*rhs_contracting, *rhs_batch))
+  values, scale = _rhs_quantized(rhs, rhs_contracting, info, as_stored=as_stored)
+  if not as_stored:
     return values, scale, dimension_numbers
 
   def stored(dims):
     return tuple(rhs.stored_dim(d % ndim) for d in dims)
 
-  return rhs.values, jnp.swapaxes(scale, -1, -2), (
+  return values, scale, (
       (lhs_contracting, stored(rhs_contracting)), (lhs_batch, stored(rhs_batch)))
 
 
