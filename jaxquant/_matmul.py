@@ -138,8 +138,14 @@ _INT8_DOT_MAX_ROWS = 256
 # K = 11008 from 1.6-2.7x to 0.6-0.7x. Slices taken one by one (lax.slice)
 # are each written out first: the whole weight copied at every call.
 _INT8_DOT_MAX_DEPTH = 2048
-# Slices of a view need a divisor of K; without one from this up to 2048 (a
-# prime K) the slices are copies: up to _MAX_SLICES of them 1024 deep, each
+# With few rows (decoding) shallower slices are faster still: 1024-deep ones
+# took 0.76-0.88 of 2048-deep ones' time at 1-16 rows, at K = N = 2048, 4096
+# and 8192 (an Intel Xeon with AMX), where from 64 rows on 2048 was as fast
+# or faster (1.2-1.4x at 256 rows).
+_FEW_ROWS = 16
+_FEW_ROWS_MAX_DEPTH = 1024
+# Slices of a view need a divisor of K; without one from this up to the
+# maximum depth (a prime K) the slices are copies: up to _MAX_SLICES of them 1024 deep, each
 # its own dot (lax.slice), more padded to equal depth as a batch dim (one
 # padded copy). Separate dots measured faster where there are few: K = 4099
 # by 1.0-1.3x (int8, N = 4096; 2048-deep copies were slower still), K = 1029
@@ -196,8 +202,9 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
   zero row is appended, and dropped after. K deeper than
-  :data:`_INT8_DOT_MAX_DEPTH` as rhs's major dim runs in slices: views of
-  rhs as a batch dim (:func:`_depth_as_batch`) where K has a divisor from
+  :data:`_INT8_DOT_MAX_DEPTH` (:data:`_FEW_ROWS_MAX_DEPTH` for at most
+  :data:`_FEW_ROWS` rows) as rhs's major dim runs in slices: views of rhs as
+  a batch dim (:func:`_depth_as_batch`) where K has a divisor from
   :data:`_MIN_SLICE_DEPTH` up to that, else copies (:func:`_sliced`, or padded).
   """
   ((lhs_k,), (rhs_k,)), (lhs_batch, rhs_batch) = dimension_numbers
@@ -213,15 +220,17 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   numbers = (((batch + 1,), (rhs_k,)), (tuple(range(batch)), rhs_batch))
   dot = functools.partial(lax.dot_general, preferred_element_type=jnp.int32)
   depth = lhs.shape[lhs_k]
-  if isinstance(depth, int) and depth > _INT8_DOT_MAX_DEPTH and rhs_k != rhs.ndim - 1:
-    divisors = [d for d in range(_MIN_SLICE_DEPTH, _INT8_DOT_MAX_DEPTH + 1) if depth % d == 0]
+  # A symbolic row count (jax.export) is taken as many.
+  few_rows = isinstance(rows, int) and rows <= _FEW_ROWS
+  max_depth = _FEW_ROWS_MAX_DEPTH if few_rows else _INT8_DOT_MAX_DEPTH
+  if isinstance(depth, int) and depth > max_depth and rhs_k != rhs.ndim - 1:
+    divisors = [d for d in range(_MIN_SLICE_DEPTH, max_depth + 1) if depth % d == 0]
     if divisors:
       product = _depth_as_batch(dot, matrix, rhs, numbers, max(divisors))
     elif -(-depth // _COPIED_SLICE_DEPTH) <= _MAX_SLICES:
       product = _sliced(dot, matrix, rhs, numbers, _COPIED_SLICE_DEPTH)
     else:
-      product = _depth_as_batch(
-          dot, matrix, rhs, numbers, _even_depth(depth, _INT8_DOT_MAX_DEPTH))
+      product = _depth_as_batch(dot, matrix, rhs, numbers, _even_depth(depth, max_depth))
   else:
     product = dot(matrix, rhs, numbers)
   product = lax.slice_in_dim(product, 0, rows, axis=batch)

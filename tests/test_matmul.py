@@ -194,20 +194,23 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, compiled, copies_rhs", [
-    # K = 4 x 1025 as rhs's major dim: four 1025-deep slices, a batch dim of a view.
-    ((2, 4100), (4100, 5), _DIMS, "s8[4,1025,5]{2,1,0} bitcast(", False),
+    # K = 4100 as rhs's major dim: slices of a view as a batch dim, at most 2048 deep
+    # (four of 1025) for 17 rows, at most 1024 (five of 820) for up to 16.
+    ((17, 4100), (4100, 5), _DIMS, "s8[4,1025,5]{2,1,0} bitcast(", False),
+    ((2, 4100), (4100, 5), _DIMS, "s8[5,820,5]{2,1,0} bitcast(", False),
     ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))),
-     "s8[3,4,1025,5]{3,2,1,0} bitcast(", False),
+     "s8[3,5,820,5]{3,2,1,0} bitcast(", False),
     # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is.
     ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
     # A prime depth has no slice >= _MIN_SLICE_DEPTH: copied slices, up to 8 of them ...
     ((2, 4099), (4099, 5), _DIMS, "s8[1024,5]", True),
     # ... and padded ones of equal depth beyond.
-    ((2, 8209), (8209, 3), _DIMS, "[5,1642,3]", True),
+    ((17, 8209), (8209, 3), _DIMS, "[5,1642,3]", True),
+    ((2, 8209), (8209, 3), _DIMS, "[9,913,3]", True),
 ])
 def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dimension_numbers,
                                                        compiled, copies_rhs):
-  """XLA:CPU: a contraction deeper than _INT8_DOT_MAX_DEPTH never copies rhs where the
+  """XLA:CPU: a contraction deeper than the slice depth never copies rhs where the
   depth allows (slices of a view, or the whole dot), and every path is exact."""
   rng = np.random.default_rng(lhs_shape[-1])
   lhs, rhs = _integers(rng, np.int8, lhs_shape), _integers(rng, np.int8, rhs_shape)
