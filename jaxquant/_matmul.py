@@ -138,10 +138,10 @@ _INT8_DOT_MAX_ROWS = 256
 # K = 11008 from 1.6-2.7x to 0.6-0.7x. Slices taken one by one (lax.slice)
 # are each written out first: the whole weight copied at every call.
 _INT8_DOT_MAX_DEPTH = 2048
-# With few rows (decoding) shallower slices are faster still: 1024-deep ones
-# took 0.76-0.88 of 2048-deep ones' time at 1-16 rows, at K = N = 2048, 4096
-# and 8192 (an Intel Xeon with AMX), where from 64 rows on 2048 was as fast
-# or faster (1.2-1.4x at 256 rows).
+# With few rows (decoding) shallower slices are faster still: the int8 dot in
+# 1024-deep ones took 0.76-0.88 of its time in 2048-deep ones at 1-16 rows,
+# K = N = 2048, 4096 and 8192 (an Intel Xeon with AMX); at 64 rows neither
+# won everywhere, and at 256 the 2048-deep slices were 1.2-1.4x faster.
 _FEW_ROWS = 16
 _FEW_ROWS_MAX_DEPTH = 1024
 # Slices of a view need a divisor of K; without one from this up to the
