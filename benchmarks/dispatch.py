@@ -1,6 +1,6 @@
 """Synchronous against asynchronous dispatch on XLA:CPU: small calls, and a training loop.
 
-    python benchmarks/dispatch.py [--repeats 3]
+    python benchmarks/dispatch.py [--repeats 3] [--calls 400] [--steps 100]
 
 ``jaxquant.tune_cpu(async_dispatch=False)`` makes XLA:CPU run a jitted call
 on the calling thread. The setting is read once, when JAX creates its CPU
@@ -11,8 +11,8 @@ median call within a round.
 * call and wait: one call then ``block_until_ready``, as a server or a
   notebook cell does: ``quantize_linear`` (int8, per tensor) at 16K-1M
   elements, and a 1024 x 1024 float32 layer and ``dot_general_dynamic_int8``
-  at M = 1 and 16 rows;
-* training loop: 100 steps of a small fake-quantized MLP (784 -> 512 -> 10,
+  at M = 1 and 16 rows, ``--calls`` calls each;
+* training loop: ``--steps`` steps (five rounds) of a small fake-quantized MLP (784 -> 512 -> 10,
   straight-through gradients), each batch drawn with NumPy while the previous
   step may still run, waiting only at the end: ms per step at batch 32 and 256.
 
@@ -39,8 +39,9 @@ from _timing import median_ms
 jq.tune_cpu(mmap_threshold=None, vector_width=None, async_dispatch=sys.argv[1] == "async")
 rng = np.random.default_rng(0)
 results = {}
+calls, steps = int(sys.argv[3]), int(sys.argv[4])
 
-def call_and_wait(name, function, *args, calls=400):
+def call_and_wait(name, function, *args):
   # One function at a time: a warm-up call, then ``calls`` calls each waited on.
   results[name] = median_ms(lambda: function(*args), repeats=calls)
 
@@ -78,18 +79,19 @@ for batch in (32, 256):
   times = []
   for _ in range(5):
     start = time.perf_counter()
-    for _ in range(100):
+    for _ in range(steps):
       params, value = step(params, *draw())
     value.block_until_ready()
-    times.append((time.perf_counter() - start) / 100)
+    times.append((time.perf_counter() - start) / steps)
   results[f"training loop: ms per step, batch {batch}"] = 1e3 * float(np.median(times))
 print(json.dumps(results))
 """
 
 
-def _run(mode: str) -> dict[str, float]:
+def _run(mode: str, calls: int, steps: int) -> dict[str, float]:
   env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-c", _PROGRAM, mode, str(pathlib.Path(__file__).parent)],
+  out = subprocess.run([sys.executable, "-c", _PROGRAM, mode, str(pathlib.Path(__file__).parent),
+                        str(calls), str(steps)],
                        capture_output=True, text=True,
                        env=env, check=True, timeout=600)
   return json.loads(out.stdout.splitlines()[-1])
@@ -98,11 +100,13 @@ def _run(mode: str) -> dict[str, float]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=3, help="interpreters per mode")
+  parser.add_argument("--calls", type=int, default=400, help="calls per case, each waited on")
+  parser.add_argument("--steps", type=int, default=100, help="training steps per timed round")
   args = parser.parse_args()
   runs: dict[str, list[dict[str, float]]] = {"async": [], "sync": []}
   for _ in range(args.repeats):
     for mode in runs:
-      runs[mode].append(_run(mode))
+      runs[mode].append(_run(mode, args.calls, args.steps))
   print(f"load average {os.getloadavg()}, {args.repeats} interpreters per mode")
   print("| case | async ms | sync ms | async / sync |")
   print("|---|---|---|---|")

@@ -107,7 +107,8 @@ def test_linear_benchmark_runs():
 
 
 def test_dispatch_benchmark_runs_both_modes():
-  rows, output = _table_rows("dispatch.py", prefix=("| call", "| training"))
+  rows, output = _table_rows("dispatch.py", "--calls", "10", "--steps", "5",
+                             prefix=("| call", "| training"))
   assert len(rows) == 10, output
 
 
