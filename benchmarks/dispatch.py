@@ -12,9 +12,10 @@ median call within a round.
   notebook cell does: ``quantize_linear`` (int8, per tensor) at 16K-1M
   elements, and a 1024 x 1024 float32 layer and ``dot_general_dynamic_int8``
   at M = 1 and 16 rows, ``--calls`` calls each;
-* training loop: ``--steps`` steps (five rounds) of a small fake-quantized MLP (784 -> 512 -> 10,
-  straight-through gradients), each batch drawn with NumPy while the previous
-  step may still run, waiting only at the end: ms per step at batch 32 and 256.
+* training loop: five rounds of ``--steps`` steps of a small fake-quantized
+  MLP (784 -> 512 -> 10, straight-through gradients), each batch drawn with
+  NumPy while the previous step may still run, waiting only at the end of a
+  round: ms per step at batch 32 and 256.
 
 Prints one table: milliseconds per call or step in each mode and their ratio
 (async / sync: > 1 means synchronous dispatch is faster).

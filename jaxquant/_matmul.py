@@ -145,9 +145,9 @@ _INT8_DOT_MAX_DEPTH = 2048
 _FEW_ROWS = 16
 _FEW_ROWS_MAX_DEPTH = 1024
 # Slices of a view need a divisor of K; without one from this up to the
-# maximum depth (a prime K) the slices are copies: up to _MAX_SLICES of them 1024 deep, each
-# its own dot (lax.slice), more padded to equal depth as a batch dim (one
-# padded copy). Separate dots measured faster where there are few: K = 4099
+# maximum depth (a prime K) the slices are copies: up to _MAX_SLICES of them
+# 1024 deep, each its own dot (lax.slice), more padded to equal depth as a
+# batch dim (one padded copy). Separate dots measured faster where there are few: K = 4099
 # by 1.0-1.3x (int8, N = 4096; 2048-deep copies were slower still), K = 1029
 # by 1.2x (the bfloat16 dot, 1024 rows).
 _MIN_SLICE_DEPTH = 256
