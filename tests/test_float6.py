@@ -401,9 +401,13 @@ def _options(layout):
   return {"axis": layout.axis, "block_size": layout.block_size}
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("name", LAYOUTS, ids=str)
+# Each layout under each implementation, each with one of the two dtypes (the
+# other under the other implementation), so every pair of the three meets;
+# test_dequantize_matches_reference runs both dtypes over layouts and forms too.
+@pytest.mark.parametrize("name, dtype, implementation", [
+    (name, FLOAT6_DTYPES[(i + k) % 2], implementation)
+    for i, name in enumerate(LAYOUTS) for k, implementation in enumerate(IMPLEMENTATIONS)
+], ids=lambda value: dtype_name(value) if isinstance(value, np.dtype) else str(value))
 def test_dequantize_forms_agree(name, dtype, implementation):
   layout = LAYOUTS[name]
   rng = np.random.default_rng(len(layout.x_shape) + len(layout.scale_shape))
@@ -461,9 +465,13 @@ def test_dequantize_under_vmap(dtype):
 # --- quantize_linear: XLA and Pallas, jit and vmap ---------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", FLOAT6_DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("scale_dtype", [F32, F16, BF16], ids=dtype_name)
-@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "empty"], ids=str)
+# Each layout with each scale dtype, the float6 dtype alternating, so every pair
+# of the three meets.
+@pytest.mark.parametrize("name, scale_dtype, dtype", [
+    (name, scale_dtype, FLOAT6_DTYPES[(i + k) % 2])
+    for i, name in enumerate(name for name in LAYOUTS if name != "empty")
+    for k, scale_dtype in enumerate([F32, F16, BF16])
+], ids=lambda value: dtype_name(value) if isinstance(value, np.dtype) else str(value))
 def test_quantize_pallas_equals_xla(name, scale_dtype, dtype):
   layout = LAYOUTS[name]
   rng = np.random.default_rng(5)

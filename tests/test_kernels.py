@@ -402,6 +402,7 @@ def test_default_implementation_runs_the_kernel_where_the_table_lists_it(monkeyp
 
 # Small caps force several grid steps and padded edges on small arrays.
 BACKEND_TILINGS = [("tpu", (32, 128)), ("triton", (2, 64))]
+TPU_TILING, TRITON_TILING = BACKEND_TILINGS
 
 
 def _interpreter(backend):
@@ -417,17 +418,35 @@ def _kernel_operands(rng, shape, dtype, scale_shape):
   return _on_device(x), _scale(rng, scale_shape), _on_device(zero_point)
 
 
+_DEQUANTIZE_KERNEL_LAYOUTS = {
+    "per column, ragged lanes": ((70, 300), (1, 300)),
+    "per middle axis": ((5, 70, 33), (1, 70, 1)),
+    "blocked view, block 32": ((200, 3, 32), (200, 3, 1)),
+}
+# The layout code sees a dtype only through the TPU tile's row multiple (the
+# 8-bit codes' 32 rows, uint4's 64) and the formula only through its decode:
+# int8 runs every layout under each backend, and each other dtype runs under
+# both backends, on a different layout under each (uint4's 64-row tile on the
+# ragged 70 rows).
+_DEQUANTIZE_KERNEL_CASES = [
+    *((backend, max_block, jnp.int8, layout)
+      for backend, max_block in BACKEND_TILINGS for layout in _DEQUANTIZE_KERNEL_LAYOUTS),
+    (*TPU_TILING, jnp.uint4, "per column, ragged lanes"),
+    (*TRITON_TILING, jnp.uint4, "per middle axis"),
+    (*TPU_TILING, jnp.float8_e4m3fn, "per middle axis"),
+    (*TRITON_TILING, jnp.float8_e4m3fn, "blocked view, block 32"),
+    (*TPU_TILING, jnp.float6_e2m3fn, "blocked view, block 32"),
+    (*TRITON_TILING, jnp.float6_e2m3fn, "per column, ragged lanes"),
+    (*TPU_TILING, jnp.float6_e3m2fn, "per column, ragged lanes"),
+    (*TRITON_TILING, jnp.float6_e3m2fn, "per middle axis"),
+]
+
+
 @pytest.mark.xla_cpu
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint4, jnp.float8_e4m3fn,
-                                   *FLOAT6_DTYPES])
-@pytest.mark.parametrize("shape, scale_shape", [
-    ((70, 300), (1, 300)),       # per column, ragged lanes
-    ((5, 70, 33), (1, 70, 1)),   # per middle axis
-    ((200, 3, 32), (200, 3, 1)),  # blocked view, block 32
-])
-def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
+@pytest.mark.parametrize("backend, max_block, dtype, layout", _DEQUANTIZE_KERNEL_CASES)
+def test_dequantize_kernel(backend, max_block, dtype, layout):
+  shape, scale_shape = _DEQUANTIZE_KERNEL_LAYOUTS[layout]
   rng = np.random.default_rng(1)
   x, scale, zero_point = _kernel_operands(rng, shape, dtype, scale_shape)
   info = _dtypes.quantized_dtype("dtype", dtype)
@@ -443,8 +462,13 @@ def test_dequantize_kernel(backend, max_block, dtype, shape, scale_shape):
 
 
 @pytest.mark.xla_cpu
-@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
+# Triton's tile reads every sub-byte dtype's bytes in
+# test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap; here a 2-bit
+# and a 4-bit dtype run under it.
+@pytest.mark.parametrize("backend, max_block, dtype", [
+    *((*TPU_TILING, dtype) for dtype in SUB_BYTE_DTYPES),
+    (*TRITON_TILING, jnp.int2), (*TRITON_TILING, jnp.float4_e2m1fn),
+])
 def test_packed_dequantize_kernel(backend, max_block, dtype):
   rng = np.random.default_rng(2)
   x, scale, zero_point = _kernel_operands(rng, (48, 6, 64), dtype, (1, 6, 1))
@@ -463,9 +487,13 @@ def test_packed_dequantize_kernel(backend, max_block, dtype):
 
 
 @pytest.mark.xla_cpu
-@pytest.mark.parametrize("max_block", [(2, 1), (4, 2)])
-@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES)
-def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(max_block, dtype):
+# The rounding sees the width, not the dtype: each width meets each cap (a cap of
+# 2 lanes is a 4-bit byte exactly, half a 2-bit one), and each dtype runs once.
+@pytest.mark.parametrize("dtype, max_block", [
+    (jnp.int2, (2, 1)), (jnp.uint2, (4, 2)), (jnp.int4, (2, 1)), (jnp.uint4, (4, 2)),
+    (jnp.float4_e2m1fn, (2, 1)),
+])
+def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(dtype, max_block):
   """Triton's lane tile is the cap's power of two, which a cap of max_block's lanes below
   the values per byte makes less than a byte's: the tile is rounded up to whole bytes of
   the packed operand (else its block is empty and the strided lanes read out of bounds)."""
@@ -486,12 +514,16 @@ def test_packed_kernel_tile_holds_whole_bytes_under_a_narrow_lane_cap(max_block,
 
 
 @pytest.mark.xla_cpu
-@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn,
-                                   *FLOAT6_DTYPES])
+@pytest.mark.parametrize("backend, max_block, dtype", [
+    *((*TRITON_TILING, dtype) for dtype in (jnp.int8, jnp.uint8, jnp.int4, jnp.float8_e4m3fn,
+                                            *FLOAT6_DTYPES)),
+    (*TPU_TILING, jnp.int8), (*TPU_TILING, jnp.int4), (*TPU_TILING, jnp.float6_e2m3fn),
+])
 def test_quantize_kernel_rounds_ties_to_even(backend, max_block, dtype):
   # On Triton the formula runs through _exact's rewrite (jnp.round has no
   # Triton lowering): ties and their neighbours must still round as XLA does.
+  # Interpreted for TPU the formula is XLA's own, as in test_quantize_matches_xla
+  # (over every dtype): an 8-bit, a 4-bit (64-row tile) and a float6 output here.
   rng = np.random.default_rng(3)
   scale = _scale(rng, (1, 200))
   x = _float_values(rng, (40, 200), jnp.float32, scale)
@@ -529,9 +561,15 @@ def test_quantized_add_kernel(backend, max_block):
 
 @pytest.mark.xla_cpu
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, max_block", BACKEND_TILINGS)
-@pytest.mark.parametrize("keep", [(False, False), (True, False), (False, True),
-                                  (True, False, True)])
+# Which dims are kept is the layout's (collapse, partial tiles, combine), the
+# same code under both tilings: per tensor, whose partials combine over every
+# grid axis, runs under both; the other patterns under one each, most under
+# Triton's, which the public ops' tests never run on CPU.
+@pytest.mark.parametrize("backend, max_block, keep", [
+    (*TPU_TILING, (False, False)), (*TRITON_TILING, (False, False)),
+    (*TRITON_TILING, (True, False)), (*TPU_TILING, (False, True)),
+    (*TRITON_TILING, (True, False, True)),
+])
 def test_dynamic_quantize_kernel(backend, max_block, keep):
   rng = np.random.default_rng(5)
   shape = (37, 300) if len(keep) == 2 else (7, 70, 33)
@@ -553,8 +591,9 @@ def test_dynamic_quantize_kernel(backend, max_block, keep):
 
 
 @pytest.mark.xla_cpu
-@pytest.mark.parametrize("backend", ["tpu", "triton"])
-@pytest.mark.parametrize("columns", [192, 200])  # whole blocks of 16; a short last block
+# Whole blocks of 16 and a short last block. Whole blocks under the TPU tiling
+# are the public ops' (test_quantize_matches_xla, test_dynamic_quantize_matches_xla).
+@pytest.mark.parametrize("backend, columns", [("triton", 192), ("tpu", 200), ("triton", 200)])
 def test_kernels_read_blocked_parameters(backend, columns):
   rng = np.random.default_rng(8)
   x = _float_values(rng, (8, columns), jnp.float32, 0.01)
@@ -621,7 +660,9 @@ def test_a_shard_cutting_blocks_finds_its_blocks(columns, shards, block):
 
 @pytest.mark.xla_cpu
 @pytest.mark.parametrize("backend", ["tpu", "triton"])
-@pytest.mark.parametrize("size", [1152, 300, 4096 + 128])
+# 3 rows of 384 (4224, 11 rows of 384, is the same fold and padding); one row of
+# 300, which no multiple of 128 divides.
+@pytest.mark.parametrize("size", [1152, 300])
 def test_one_dim_folded_into_rows_with_default_tiles(backend, size):
   # A 1-D output is folded into rows of a width dividing it (1152 -> 3 x 384);
   # Triton's power-of-two tile then pads every row (384 -> 512 lanes), so the
