@@ -258,9 +258,14 @@ def test_one_ulp_scales_match_onnxruntime(implementation):
 # --- degenerate inputs ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+# An empty x has nothing for a kernel to do: "pallas" runs XLA's evaluation
+# (_dispatch.evaluate), so the empty shapes run once, as "xla".
+@pytest.mark.parametrize("shape, implementation", [
+    *(((5,), implementation) for implementation in IMPLEMENTATIONS),
+    *(((), implementation) for implementation in IMPLEMENTATIONS),
+    ((0,), "xla"), ((2, 0, 3), "xla"),
+], ids=str)
 @pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
-@pytest.mark.parametrize("shape", [(5,), (0,), (2, 0, 3), ()], ids=str)
 def test_all_zeros_and_empty(dtype, shape, implementation):
   x = np.zeros(shape, np.float32)
   y, scale, zero_point = jq.dynamic_quantize_linear(x, dtype=dtype, implementation=implementation)
@@ -316,8 +321,14 @@ def test_infinities_give_an_infinite_scale(x, implementation):
     assert_outputs_equal(actual, run_reference(x))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+# The kernel's reductions are the same for every dtype, which enters only the
+# parameters and the formula, as in XLA's evaluation: every dtype on "xla", one
+# per width on "pallas" (signed and unsigned in turn).
+@pytest.mark.parametrize("dtype, implementation", [
+    *((dtype, "xla") for dtype in INTEGER_DTYPES),
+    *((np.dtype(dtype), "pallas") for dtype in (jnp.int2, jnp.uint4, jnp.int8, jnp.uint8,
+                                                jnp.uint16, jnp.int32)),
+], ids=str)
 def test_infinities_other_dtypes(dtype, implementation):
   for x in ([1.0, np.inf, -2.0], [-np.inf, 1.0], [np.inf, -np.inf, 0.0]):
     x = np.array(x, np.float32)
@@ -400,7 +411,9 @@ def test_half_precision_x_is_quantized_in_float32(x_dtype, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=dtype_name)
+# uint8 is test_uint8_matches_onnxruntime_and_onnx_reference's, against this
+# formula too, over the same shapes and kinds.
+@pytest.mark.parametrize("dtype", [d for d in INTEGER_DTYPES if d != np.uint8], ids=dtype_name)
 @given_per_implementation(8, 2, shape=shapes(max_rank=4), kind=st.sampled_from(KINDS),
                           seed=st.integers(0, 2**32 - 1))
 def test_integer_dtypes_match_spec_formula(dtype, implementation, shape, kind, seed):
@@ -543,21 +556,32 @@ def test_symmetric(dtype, implementation):
   assert np.asarray(y).astype(int)[0, 1] == -qmax  # -max|x| maps to -qmax, not qmin
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("symmetric", [False, True], ids=["minmax", "absmax"])
-@pytest.mark.parametrize("shape, axis, block_size", [
-    ((64, 1024), 1, 0),       # down columns: XLA:CPU's float min/max (YNNPACK)
-    ((16, 32768 + 3), 1, 0),  # wide rows: integer keys
-    ((64, 80), 0, 4),         # blocks down columns: reduce-window
-    ((64, 1024), 1, 32),      # blocks along rows
-    ((64, 1024), 0, 0),       # along rows: integer keys
-    ((64, 1024), None, 0),
-], ids=["columns", "wide", "blocks-down", "blocks-along", "rows", "tensor"])
-def test_nan_anywhere_is_ignored(implementation, symmetric, shape, axis, block_size):
+NAN_ANYWHERE_LAYOUTS = {
+    "columns": ((64, 1024), 1, 0),       # down columns: XLA:CPU's float min/max (YNNPACK)
+    "wide": ((16, 32768 + 3), 1, 0),     # wide rows: integer keys
+    "blocks-down": ((64, 80), 0, 4),     # blocks down columns: reduce-window
+    "blocks-along": ((64, 1024), 1, 32),  # blocks along rows
+    "rows": ((64, 1024), 0, 0),          # along rows: integer keys
+    "tensor": ((64, 1024), None, 0),
+}
+# The paths above are XLA's: every layout and statistic on "xla". The kernel
+# reduces its blocks NaN-aware in every layout, so "pallas" runs each layout
+# with one statistic, min/max and absmax in turn.
+NAN_ANYWHERE_CASES = [
+    *((layout, symmetric, "xla") for layout in NAN_ANYWHERE_LAYOUTS for symmetric in (False, True)),
+    *((layout, i % 2 == 1, "pallas") for i, layout in enumerate(NAN_ANYWHERE_LAYOUTS)),
+]
+
+
+@pytest.mark.parametrize("layout, symmetric, implementation", NAN_ANYWHERE_CASES, ids=[
+    f"{layout}-{'absmax' if symmetric else 'minmax'}-{implementation}"
+    for layout, symmetric, implementation in NAN_ANYWHERE_CASES])
+def test_nan_anywhere_is_ignored(layout, symmetric, implementation):
   """A NaN right after a column's (block's) extreme, as its last element, and columns
   (blocks) of NaN only. XLA:CPU's float max and min do not propagate a NaN: YNNPACK's
   returned the extreme of the values after the last NaN, a reduce-window of NaNs its
   initial value."""
+  shape, axis, block_size = NAN_ANYWHERE_LAYOUTS[layout]
   rng = np.random.default_rng(11)
   x = rng.uniform(-1, 1, shape).astype(np.float32)
   x[0, :] = 5
@@ -619,8 +643,11 @@ def test_symmetric_statistics_down_columns():
   assert_bits_equal(jax.grad(scale_sum)(x), jax.grad(by_extremes)(x))
 
 
-@pytest.mark.parametrize("columns", [48, 32768 + 3], ids=["float", "wide keys"])
-@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8], ids=dtype_name)
+# The statistics do not see the dtype, which enters only the parameters: int8
+# (a negative qmin) on the float path, whose arrays are small.
+@pytest.mark.parametrize("dtype, columns", [
+    (jnp.uint8, 48), (jnp.uint8, 32768 + 3), (jnp.int8, 48),
+], ids=["uint8-float", "uint8-wide keys", "int8-float"])
 def test_asymmetric_statistics_down_columns(dtype, columns):
   """Min and max per index of the minor dim: a float min and max (which flush subnormals
   and may swap -0 and +0), or past 32K columns plain reductions of integer keys. The
@@ -694,10 +721,12 @@ def test_vmap_redoes_the_statistics_only_for_examples_with_a_nan(kwargs):
   nested = jax.jit(jax.vmap(jax.vmap(quantize))).lower(examples[None]).compile().as_text()
   assert " conditional(" in nested
   # Differentiated outside vmap: JAX guarded a batched cond's tangent operands with
-  # stop_gradient, which has no transpose (grad of vmap raised NotImplementedError).
+  # stop_gradient, which has no transpose (grad of vmap raised NotImplementedError,
+  # transposing while tracing, under jit too). Under jit, as a model differentiates:
+  # eagerly each batched primitive compiles on its own, seconds per layout.
   scale = lambda x: quantize(x)[1].sum()
-  assert_outputs_equal(jax.grad(lambda x: jnp.sum(jax.vmap(scale)(x)))(examples),
-                       jax.vmap(jax.grad(scale))(examples))
+  assert_outputs_equal(jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(scale)(x))))(examples),
+                       jax.jit(jax.vmap(jax.grad(scale)))(examples))
 
 
 @pytest.mark.slow
