@@ -1,9 +1,9 @@
 """``jax.export`` with a symbolic batch dimension, as serving stacks export a model.
 
-Each op is exported once for ``(b, 64)`` inputs, on each implementation, and
-the exported program is called on concrete batches; its results must equal
-the op's XLA evaluation called directly. Pallas ops also export for several
-platforms at once.
+Each op is exported once for ``(b, 64)`` inputs, and the exported program is
+called on concrete batches; its results must equal the op's XLA evaluation
+called directly. The Pallas implementation of each op that has one exports
+for several platforms at once, CPU's interpret mode among them.
 """
 
 import dataclasses
@@ -41,9 +41,6 @@ CHANNEL_ZERO_POINT = _CHANNEL_RNG.integers(-5, 5, FEATURES).astype(np.int8)
 WEIGHT = _CHANNEL_RNG.integers(-128, 128, (FEATURES, 8)).astype(np.int8)
 WEIGHT_SCALE = _CHANNEL_RNG.uniform(0.01, 0.02, 8).astype(np.float32)
 WEIGHT_ZERO_POINT = _CHANNEL_RNG.integers(-3, 3, 8).astype(np.int8)
-# MatMulNBits' (N, K / 16, 8) int4 codes of the transposed weight, scales per block.
-NBITS_CODES = _CHANNEL_RNG.integers(0, 256, (8, FEATURES // 16, 8)).astype(np.uint8)
-NBITS_SCALES = _CHANNEL_RNG.uniform(0.01, 0.02, (8, FEATURES // 16)).astype(np.float32)
 
 
 # Each op as a function of x and the implementation.
@@ -120,8 +117,8 @@ OPS = {
         _uint8(x), WEIGHT, (((1,), (0,)), ((), ())), lhs_scale=jnp.full((x.shape[0], 1), 0.05),
         lhs_zero_point=jnp.full((x.shape[0], 1), 128, jnp.uint8), rhs_scale=WEIGHT_SCALE[None],
         rhs_zero_point=WEIGHT_ZERO_POINT[None]),
-    "matmul_nbits": lambda x, i: jq.matmul_nbits(
-        x, NBITS_CODES, NBITS_SCALES, None, None, K=FEATURES, N=8, block_size=16),
+    # matmul_nbits exports in test_matmul.py (its own test of a symbolic batch, both
+    # implementations).
 }
 # Ops with an implementation option: the others (fake quantization's is quantize's) have
 # only the XLA evaluation.
@@ -137,15 +134,21 @@ def _export(op, implementation, platforms=None, **kwargs):
   )(jax.ShapeDtypeStruct((batch, FEATURES), jnp.float32))
 
 
-@pytest.mark.parametrize(
-    "name, implementation",
-    [(name, "xla") for name in OPS] + [(name, "pallas") for name in KERNEL_OPS],
-)
-def test_export_with_a_symbolic_batch(name, implementation):
+# Ops whose blocks or bytes run along the batch, called on a batch of 2 (within one block
+# of 4, an even count of codes) and of 7 (a short last block, a partial byte). To the
+# others every batch is alike: 7 rows.
+ALONG_THE_BATCH = frozenset(name for name in OPS if name.endswith(
+    ("along the batch", "an odd count", "of a symbolic count")))
+
+
+# The Pallas implementations: test_pallas_exports_for_several_platforms_at_once, whose
+# program holds (and runs) the CPU one this test would export.
+@pytest.mark.parametrize("name", OPS)
+def test_export_with_a_symbolic_batch(name):
   op = OPS[name]
-  exported = _export(op, implementation)
+  exported = _export(op, "xla")
   rng = np.random.default_rng(0)
-  for rows in (2, 7):
+  for rows in (2, 7) if name in ALONG_THE_BATCH else (7,):
     x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
     for got, want in zip(jax.tree.leaves(exported.call(x)),
                          jax.tree.leaves(op(x, "xla"))):
@@ -293,12 +296,14 @@ def test_drop_ins_export_with_a_symbolic_batch(name):
     assert_bits_equal(exported.call(x), function(x), f"batch {rows}")
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize("options", [
-    dict(window_strides=(1,), padding="VALID"), dict(window_strides=(2,), padding="VALID"),
-    dict(window_strides=(1,), padding="VALID", rhs_dilation=(2,)),
-    dict(window_strides=(1,), padding=[(1, 0)]),
-], ids=["valid", "stride-2", "dilated", "explicit"])
+# Each window option once, the two integer convolutions in turn: both compute the output
+# length in integer_conv_by_taps (each exports in test_drop_ins_export_with_a_symbolic_batch too).
+@pytest.mark.parametrize("options, static", [
+    (dict(window_strides=(1,), padding="VALID"), False),
+    (dict(window_strides=(2,), padding="VALID"), True),
+    (dict(window_strides=(1,), padding="VALID", rhs_dilation=(2,)), False),
+    (dict(window_strides=(1,), padding=[(1, 0)]), True),
+], ids=["valid-dynamic", "stride-2-static", "dilated-dynamic", "explicit-static"])
 def test_integer_convolutions_export_with_a_symbolic_length(options, static):
   """A sequence of symbolic length (nnx.Conv's CAUSAL or CIRCULAR padding calls VALID).
 

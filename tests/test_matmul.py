@@ -61,10 +61,10 @@ def test_matmul_integer_matches_both_oracles():
 
 # XLA:CPU's int8 dot by depth (docs/numerics.md): slices of a view of b (4096 = 2 x 2048),
 # 1024-deep copied slices (4099, a prime), more than 8 padded slices (8209, a prime); by
-# rows: the int8 dot (1 and 5 rows, a's zero point adding one) and the bfloat16 dot (300; the
-# int8 dot on a CPU with AMX int8 tiles).
+# rows: the int8 dot (1 row, a's zero point adding one: any few rows take its path) and the
+# bfloat16 dot (300; the int8 dot on a CPU with AMX int8 tiles).
 @pytest.mark.parametrize("k", [4096, 4099, 8209])
-@pytest.mark.parametrize("m", [1, 5, 300])
+@pytest.mark.parametrize("m", [1, 300])
 def test_deep_matmuls_match_both_oracles(m, k):
   rng = np.random.default_rng(m * k)
   a_dtype = np.uint8 if k % 2 else np.int8
@@ -169,7 +169,8 @@ def test_quantized_dot_general_dimension_numbers():
   np.testing.assert_array_equal(as_bfloat16, scaled.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("m", [0, 1, 2, 7])
+# No rows, one (a zero row appended to it) and several (2 or 7: one path at any depth).
+@pytest.mark.parametrize("m", [0, 1, 7])
 # 1029: the bfloat16 dot's last slice is short; 4100: the int8 dot runs in slices too.
 @pytest.mark.parametrize("k", [1, 37, 1029, 4100])
 def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
@@ -314,15 +315,22 @@ def test_unpack_integers_is_unpack(dtype):
   np.testing.assert_array_equal(got, np.asarray(expected).astype(got.dtype))
 
 
-@pytest.mark.parametrize("rule", [
+PACKED_RULES = [
     jq.QuantizationRule(dtype=jnp.int4),
     jq.QuantizationRule(dtype=jnp.int4, axis=0, block_size=32),
     jq.QuantizationRule(dtype=jnp.uint4, method="minmax"),
     jq.QuantizationRule(dtype=jnp.int4, method="minmax", axis=0, block_size=16),
     jq.QuantizationRule(dtype=jnp.int2),
     jq.QuantizationRule(dtype=jnp.uint2, method="minmax", axis=0, block_size=16),
-])
-@pytest.mark.parametrize("shape", [(64, 48), (33, 7)])  # whole words, and not (dequantize())
+]
+
+
+# Whole words, each rule; and not (dequantize()), each packed dtype, the blocks ragged.
+@pytest.mark.parametrize("rule, shape", [
+    pytest.param(rule, shape, id=f"{np.dtype(rule.dtype).name}-{rule.method}-{rule.block_size}"
+                 f"-{shape[0]}x{shape[1]}")
+    for rule, shape in [(rule, (64, 48)) for rule in PACKED_RULES]
+    + [(PACKED_RULES[i], (33, 7)) for i in (1, 2, 4, 5)]])
 def test_weight_only_stored_packed_weight_is_its_dequantize(rule, shape):
   """Word-wise unpacking of a stored weight (whole words): the unpacked weight's bits."""
   rng = np.random.default_rng(shape[1])
@@ -568,9 +576,14 @@ def test_call_styles(k):
   np.testing.assert_array_equal(jq.matmul_integer(q, w, np.uint8(7), np.int8(-3)), wrap_int32(exact))
 
 
-@pytest.mark.parametrize("k", [16, 4100])
-def test_fake_quantized_operands_straight_through(k):
-  """Float operands: the integer product's values, fake quantization's gradients."""
+def test_fake_quantized_operands_straight_through():
+  """Float operands: the integer product's values, fake quantization's gradients.
+
+  Quantized, they take the integer operands' product, whose depths
+  test_deep_int8_dot_is_exact_and_reads_rhs_in_place covers; the gradients are the float
+  reference's at any depth.
+  """
+  k = 16
   rng = np.random.default_rng(6)
   x = rng.standard_normal((5, k)).astype(np.float32) * 2
   w = (rng.standard_normal((k, 4)) / np.sqrt(k / 16)).astype(np.float32)
