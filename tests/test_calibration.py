@@ -33,8 +33,10 @@ def test_running_min_max_ignores_nan():
   assert state.histogram_range == np.abs(values).max()
 
 
-@pytest.mark.parametrize("mode", ["jit", "vmap", "scan", "disable_jit"])
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
+# Momentum 0 (each batch's own range) cannot round differently between call styles,
+# 0 * low and 1 * min(x) being exact: one style suffices for it.
+@pytest.mark.parametrize("momentum, mode", [
+    (0.9, "jit"), (0.9, "vmap"), (0.9, "scan"), (0.9, "disable_jit"), (0.0, "jit")])
 def test_moving_average(momentum, mode):
   """NumPy's float32 recurrence, each product rounded, bit for bit in every call style.
 
@@ -46,8 +48,10 @@ def test_moving_average(momentum, mode):
   step = {"jit": jax.jit(jq.observe), "disable_jit": jq.observe,
           "vmap": lambda s, x: jax.tree.map(lambda a: a[0], jax.vmap(jq.observe)(
               jax.tree.map(lambda a: a[None], s), x[None])),
-          "scan": lambda s, x: jax.lax.scan(lambda c, x: (jq.observe(c, x), None), s,
-                                            x[None])[0]}[mode]
+          # Jitted, as a training step calls scan: called eagerly, scan compiled its body
+          # anew for each batch (15 s for the 32, against 1.5 s).
+          "scan": jax.jit(lambda s, x: jax.lax.scan(lambda c, x: (jq.observe(c, x), None), s,
+                                                    x[None])[0])}[mode]
   state = jq.init_observer(momentum=momentum)
   with jax.disable_jit(mode == "disable_jit"):
     for batch in batches:

@@ -173,8 +173,10 @@ def test_each_flow_is_at_most_five_lines(flow):
 MODELS = ["mlp", "cnn", "transformer"]
 
 
+# The CNN's: test_conv_weight_only_drop_in_on_the_cnn[int8-0] holds these logits to the
+# same half a point.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_int8_weight_only_ptq_within_half_a_point(trained, name):
   model, float_accuracy = _fresh(trained, name)
   logits = weight_only_ptq(model, X_TEST, jq.QuantizationRule(dtype=jnp.int8))
@@ -257,7 +259,9 @@ def test_stored_int8_kernels_serve_dynamic_int8_bit_for_bit(trained, name):
   np.testing.assert_array_equal(run(served, X_TEST), run(model, X_TEST))
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+# The CNN's gradient passes a dense layer, then two convolutions: the MLP's, two dense
+# layers, would take no other path.
+@pytest.mark.parametrize("name", ["cnn"])
 def test_served_int8_model_passes_gradients_to_its_input(trained, name):
   """A model served with int8 kernels stored in its layers and the dynamic int8 drop-ins is
   differentiable (an adapter before it, saliency): the loss's gradient for the input goes

@@ -201,10 +201,18 @@ def test_a2_onnxruntime_scales_by_ratios_near_ties(size, implementation):
 # --- dtypes (a, b and the output may each be int8 or uint8, and more) -----------------------
 
 
+# The 8-bit triples with an even number of uint8: any two of a, b and the output still
+# meet in all four int8/uint8 pairs. All uint8 is onnxruntime's own case, bit for bit in
+# test_onnxruntime_qlinear_add_vectors and on random data in
+# test_matches_onnxruntime_qlinear_add_within_one.
+EIGHT_BIT_PAIRWISE = [dtypes for dtypes in itertools.product(EIGHT_BIT, repeat=3)
+                      if sum(dtype == jnp.uint8 for dtype in dtypes) % 2 == 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("a_dtype, b_dtype, out_dtype",
-                         list(itertools.product(EIGHT_BIT, repeat=3)) + [
+                         EIGHT_BIT_PAIRWISE + [
                              (jnp.int4, jnp.int4, jnp.int4), (jnp.uint4, jnp.int4, jnp.uint8),
                              (jnp.int16, jnp.int16, jnp.int16), (jnp.int8, jnp.int16, jnp.int4),
                              (jnp.uint16, jnp.uint8, jnp.int16), (jnp.int4, jnp.uint16, jnp.uint4),
