@@ -11,7 +11,7 @@ once, so each error case is still raised in the loop.
 
 ``HYPOTHESIS_PROFILE`` picks the hypothesis profile (README, "Running the tests"):
 
-* ``ci`` (default): 60 examples per property, derandomized, so every run
+* ``ci`` (default): 40 examples per property, derandomized, so every run
   draws the same examples and a failure reproduces as it is;
 * ``dev``: 60 examples, drawn afresh each run, to find new failures while
   developing (hypothesis prints the seed blob to reproduce one);
@@ -55,7 +55,7 @@ CASE_TABLES = frozenset({"test_api.py", "test_errors.py"})
 # Each new shape compiles a fresh XLA program, so examples cost milliseconds,
 # not microseconds; deadlines would only measure the compiler.
 hypothesis.settings.register_profile(
-    "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.register_profile(
