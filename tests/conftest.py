@@ -69,9 +69,34 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
+# Files that keep one worker busy for minutes (a subprocess, trained models, notebooks,
+# fuzzing): scheduled first, so that no worker is left running one alone at the end.
+LONG_FILES = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_fuzz.py",
+              "tests/test_flax_models.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark, and before xdist reads groups
 def pytest_collection_modifyitems(items):
-  """Marks ``slow`` the cases that repeat what an earlier case covered (module docstring)."""
+  """Marks ``slow`` the repeated cases (module docstring); one xdist worker per file.
+
+  A file's tests call the same ops on the same shapes and dtypes: on one worker
+  each program compiles once, spread over two workers each compiles it. Tests
+  without an ``xdist_group`` of their own are grouped by file (``--dist
+  loadgroup``), and the groups run in collection order (``--no-loadscope-reorder``),
+  ``LONG_FILES`` first.
+  """
+  _mark_repeated_cases_slow(items)
+  for item in items:
+    if item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(_file(item)))
+  items.sort(key=lambda item: _file(item) not in LONG_FILES)  # stable: files stay whole
+
+
+def _file(item: pytest.Item) -> str:
+  return item.nodeid.split("::", 1)[0]
+
+
+def _mark_repeated_cases_slow(items):
   covered: dict[str, set[tuple[str, str]]] = {}
   for item in items:
     if item.get_closest_marker("slow"):
