@@ -75,6 +75,10 @@ LONG_FILES = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_f
               "tests/test_flax_models.py")
 
 
+# A run of fewer files is spread test by test, so that one file still keeps every worker busy.
+FILES_TO_GROUP = 8
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by mark, and before xdist reads groups
 def pytest_collection_modifyitems(items):
   """Marks ``slow`` the repeated cases (module docstring); one xdist worker per file.
@@ -82,10 +86,12 @@ def pytest_collection_modifyitems(items):
   A file's tests call the same ops on the same shapes and dtypes: on one worker
   each program compiles once, spread over two workers each compiles it. Tests
   without an ``xdist_group`` of their own are grouped by file (``--dist
-  loadgroup``), and the groups run in collection order (``--no-loadscope-reorder``),
-  ``LONG_FILES`` first.
+  loadgroup``) in a run of ``FILES_TO_GROUP`` files or more, and the groups run in
+  collection order (``--no-loadscope-reorder``), ``LONG_FILES`` first.
   """
   _mark_repeated_cases_slow(items)
+  if len({_file(item) for item in items}) < FILES_TO_GROUP:
+    return
   for item in items:
     if item.get_closest_marker("xdist_group") is None:
       item.add_marker(pytest.mark.xdist_group(_file(item)))
