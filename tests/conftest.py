@@ -103,6 +103,7 @@ def _file(item: pytest.Item) -> str:
 
 
 def _mark_repeated_cases_slow(items):
+  """Marks ``slow`` the cases that repeat what an earlier case covered (module docstring)."""
   covered: dict[str, set[tuple[str, str]]] = {}
   for item in items:
     if item.get_closest_marker("slow"):
