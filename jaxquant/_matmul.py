@@ -142,6 +142,11 @@ _INT8_DOT_MAX_DEPTH = 2048
 # 1024-deep ones took 0.76-0.88 of its time in 2048-deep ones at 1-16 rows,
 # K = N = 2048, 4096 and 8192 (an Intel Xeon with AMX); at 64 rows neither
 # won everywhere, and at 256 the 2048-deep slices were 1.2-1.4x faster.
+# Up to _FEW_ROWS rows times a weight stored (N, K) run as the weight times the
+# rows: with the weight as its left operand YNNPACK's int8 dot made the dynamic
+# int8 layer take 0.57-0.82 of its time at 1-4 rows (K = N = 1024 and 4096) and
+# 0.70-0.99 at 16; the dot alone was no faster from 24 rows (K = N = 1024, 2048)
+# or 48 (4096) on.
 _FEW_ROWS = 16
 _FEW_ROWS_MAX_DEPTH = 1024
 # Slices of a view need a divisor of K; without one from this up to the
@@ -196,12 +201,24 @@ def _depth_as_batch(dot, lhs: jax.Array, rhs: jax.Array, dimension_numbers, size
   return jnp.sum(product, axis=len(lhs_batch), dtype=jnp.int32)
 
 
+def _weight_as_lhs(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
+  """The int32 dot of ``lhs`` ``(batch..., rows, K)`` with ``rhs`` ``(batch..., N..., K)``,
+  taken as ``rhs`` times ``lhs`` and transposed back."""
+  (contracting, (lhs_batch, rhs_batch)) = dimension_numbers
+  swapped = lax.dot_general(rhs, lhs, (contracting[::-1], (rhs_batch, lhs_batch)),
+                            preferred_element_type=jnp.int32)
+  # XLA's simplifier turns a transposed dot back into the other order; the barrier keeps this one.
+  return jnp.moveaxis(lax.optimization_barrier(swapped), -1, len(lhs_batch))
+
+
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
   """The int8 x int8 -> int32 dot with ``lhs`` as ``(batch..., rows, K)``, rows >= 2.
 
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
-  zero row is appended, and dropped after. K deeper than
+  zero row is appended, and dropped after. At most :data:`_FEW_ROWS` rows
+  times an rhs with K minor (a weight stored ``(N, K)``) run as rhs times lhs
+  (:func:`_weight_as_lhs`). K deeper than
   :data:`_INT8_DOT_MAX_DEPTH` (:data:`_FEW_ROWS_MAX_DEPTH` for at most
   :data:`_FEW_ROWS` rows) as rhs's major dim runs in slices: views of rhs as
   a batch dim (:func:`_depth_as_batch`) where K has a divisor from
@@ -223,7 +240,9 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   # A symbolic row count (jax.export) is taken as many.
   few_rows = isinstance(rows, int) and rows <= _FEW_ROWS
   max_depth = _FEW_ROWS_MAX_DEPTH if few_rows else _INT8_DOT_MAX_DEPTH
-  if isinstance(depth, int) and depth > max_depth and rhs_k != rhs.ndim - 1:
+  if few_rows and rhs_k == rhs.ndim - 1 and tuple(rhs_batch) == tuple(range(batch)):
+    product = _weight_as_lhs(matrix, rhs, numbers)
+  elif isinstance(depth, int) and depth > max_depth and rhs_k != rhs.ndim - 1:
     divisors = [d for d in range(_MIN_SLICE_DEPTH, max_depth + 1) if depth % d == 0]
     if divisors:
       product = _depth_as_batch(dot, matrix, rhs, numbers, max(divisors))

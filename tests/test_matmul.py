@@ -192,6 +192,11 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   np.testing.assert_array_equal(
       jq._matmul._int8_dot(lhs3, rhs, (((1,), (0,)), ((), ()))),
       wrap_int32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
+  # rhs with K minor and two free dims: up to 16 rows take it as the dot's left operand.
+  rhs3 = _integers(rng, np.int8, (3, 5, k))
+  np.testing.assert_array_equal(
+      jq._matmul._int8_dot(lhs, rhs3, (((1,), (2,)), ((), ()))),
+      wrap_int32(np.einsum("mk,abk->mab", lhs.astype(np.int64), rhs3.astype(np.int64))))
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dimension_numbers, compiled, copies_rhs", [
@@ -201,8 +206,12 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
     ((2, 4100), (4100, 5), _DIMS, "s8[5,820,5]{2,1,0} bitcast(", False),
     ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))),
      "s8[3,5,820,5]{3,2,1,0} bitcast(", False),
-    # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is.
-    ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
+    # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is; for up to 16
+    # rows rhs is the dot's left operand.
+    ((17, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
+    ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%b.1, %a.1), kind=kCustom", False),
+    ((3, 2, 4100), (3, 5, 4100), (((2,), (2,)), ((0,), (0,))),
+     "fusion(%b.1, %a.1), kind=kCustom", False),
     # A prime depth has no slice >= _MIN_SLICE_DEPTH: copied slices, up to 8 of them ...
     ((2, 4099), (4099, 5), _DIMS, "s8[1024,5]", True),
     # ... and padded ones of equal depth beyond.
@@ -1059,8 +1068,10 @@ def test_cuda_lowers_every_integer_product_to_the_bfloat16_dot():
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert dots and all("bf16>" in line for line in dots), dots
     assert ("stablehlo.optimization_barrier" in text) == barrier
+    # XLA:CPU writes no widened int8 copy (a barrier on a dot's int32 result may remain).
     cpu = function.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
-    assert "stablehlo.optimization_barrier" not in cpu
+    assert not [line for line in cpu.splitlines()
+                if "stablehlo.optimization_barrier" in line and "xi8>" in line]
 
 
 def test_exact_bfloat16_dot_in_slices_keeps_batch_dims_apart():
