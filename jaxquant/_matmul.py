@@ -201,14 +201,32 @@ def _depth_as_batch(dot, lhs: jax.Array, rhs: jax.Array, dimension_numbers, size
   return jnp.sum(product, axis=len(lhs_batch), dtype=jnp.int32)
 
 
-def _weight_as_lhs(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
-  """The int32 dot of ``lhs`` ``(batch..., rows, K)`` with ``rhs`` ``(batch..., N..., K)``,
-  taken as ``rhs`` times ``lhs`` and transposed back."""
-  (contracting, (lhs_batch, rhs_batch)) = dimension_numbers
-  swapped = lax.dot_general(rhs, lhs, (contracting[::-1], (rhs_batch, lhs_batch)),
+def _rows_times_weight(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """The int32 dot of ``lhs`` ``(batch..., rows, K)`` with ``rhs`` ``(batch..., N..., K)``."""
+  batch = tuple(range(lhs.ndim - 2))
+  return lax.dot_general(lhs, rhs, (((lhs.ndim - 1,), (rhs.ndim - 1,)), (batch, batch)),
+                         preferred_element_type=jnp.int32)
+
+
+@jax.custom_batching.custom_vmap
+def _weight_as_lhs(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """:func:`_rows_times_weight`, taken as ``rhs`` times ``lhs`` and transposed back.
+
+  Under ``vmap`` the dot keeps its first order: the examples are more rows
+  (or more weights), and past a few rows that order is the faster one.
+  """
+  batch = tuple(range(lhs.ndim - 2))
+  swapped = lax.dot_general(rhs, lhs, (((rhs.ndim - 1,), (lhs.ndim - 1,)), (batch, batch)),
                             preferred_element_type=jnp.int32)
   # XLA's simplifier turns a transposed dot back into the other order; the barrier keeps this one.
-  return jnp.moveaxis(lax.optimization_barrier(swapped), -1, len(lhs_batch))
+  return jnp.moveaxis(lax.optimization_barrier(swapped), -1, len(batch))
+
+
+@_weight_as_lhs.def_vmap
+def _weight_as_lhs_vmap(axis_size, in_batched, lhs, rhs):
+  del axis_size
+  in_axes = tuple(0 if batched else None for batched in in_batched)
+  return jax.vmap(_rows_times_weight, in_axes=in_axes)(lhs, rhs), True
 
 
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
@@ -241,7 +259,7 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   few_rows = isinstance(rows, int) and rows <= _FEW_ROWS
   max_depth = _FEW_ROWS_MAX_DEPTH if few_rows else _INT8_DOT_MAX_DEPTH
   if few_rows and rhs_k == rhs.ndim - 1 and tuple(rhs_batch) == tuple(range(batch)):
-    product = _weight_as_lhs(matrix, rhs, numbers)
+    product = _weight_as_lhs(matrix, rhs)
   elif isinstance(depth, int) and depth > max_depth and rhs_k != rhs.ndim - 1:
     divisors = [d for d in range(_MIN_SLICE_DEPTH, max_depth + 1) if depth % d == 0]
     if divisors:

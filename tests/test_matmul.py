@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 from jax import export
@@ -233,6 +234,32 @@ def test_deep_int8_dot_is_exact_and_reads_rhs_in_place(lhs_shape, rhs_shape, dim
     # A fusion of rhs alone writes a slice or copy of it.
     work = entry_work(hlo)
     assert any(op == "fusion" and operands == "%b.1" for op, _, operands in work) == copies_rhs, work
+
+
+def test_vmapped_rows_keep_the_weight_on_the_right():
+  """Few rows per example under vmap are many rows: the dot keeps its first order (the
+  weight on the right), where one example's rows take the weight on the left; exact
+  either way, with one weight or one per example."""
+  rng = np.random.default_rng(11)
+  lhs, rhs = _integers(rng, np.int8, (64, 2, 300)), _integers(rng, np.int8, (5, 300))
+  per_example = _integers(rng, np.int8, (64, 5, 300))
+  dims = (((1,), (1,)), ((), ()))
+
+  def product(a, b):
+    return jq._matmul._int8_dot(a, b, dims)
+
+  shared = jax.jit(jax.vmap(product, in_axes=(0, None)))
+  np.testing.assert_array_equal(shared(lhs, rhs), wrap_int32(
+      np.einsum("erk,nk->ern", lhs.astype(np.int64), rhs.astype(np.int64))))
+  np.testing.assert_array_equal(jax.vmap(product)(lhs, per_example), wrap_int32(
+      np.einsum("erk,enk->ern", lhs.astype(np.int64), per_example.astype(np.int64))))
+  if jax.default_backend() == "cpu":
+    products = [re.search(r"= (s32\[[\d,]+\])", line).group(1)
+                for line in shared.lower(lhs, rhs).compile().as_text().splitlines()
+                if "kind=kCustom" in line]
+    assert len(products) == 1 and products[0].endswith(",5]"), products  # N minor
+    one = jax.jit(product).lower(lhs[0], rhs).compile().as_text()
+    assert "s32[5,2]" in one, one
 
 
 @pytest.fixture
