@@ -142,13 +142,14 @@ _INT8_DOT_MAX_DEPTH = 2048
 # 1024-deep ones took 0.76-0.88 of its time in 2048-deep ones at 1-16 rows,
 # K = N = 2048, 4096 and 8192 (an Intel Xeon with AMX); at 64 rows neither
 # won everywhere, and at 256 the 2048-deep slices were 1.2-1.4x faster.
-# Up to _FEW_ROWS rows times a weight stored (N, K) run as the weight times the
-# rows: with the weight as its left operand YNNPACK's int8 dot made the dynamic
-# int8 layer take 0.57-0.82 of its time at 1-4 rows (K = N = 1024 and 4096) and
-# 0.70-0.99 at 16; the dot alone was no faster from 24 rows (K = N = 1024, 2048)
-# or 48 (4096) on.
 _FEW_ROWS = 16
 _FEW_ROWS_MAX_DEPTH = 1024
+# Up to this many rows (per batch) times a weight stored (N, K) run as the weight
+# times the rows: with the weight as its left operand YNNPACK's int8 dot made the
+# dynamic int8 layer take 0.57-0.82 of its time at 1-4 rows (K = N = 1024 and
+# 4096), 0.70-0.99 at 16, and 0.73-0.83 at 17-32 rows at K = N = 2048 and 4096
+# (0.90-1.01 at 1024); at 64 rows 0.94-1.10, at 128 1.2-1.4 (an Intel Xeon).
+_WEIGHT_AS_LHS_MAX_ROWS = 32
 # Slices of a view need a divisor of K; without one from this up to the
 # maximum depth (a prime K) the slices are copies: up to _MAX_SLICES of them
 # 1024 deep, each its own dot (lax.slice), more padded to equal depth as a
@@ -234,9 +235,9 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
 
   One row is a matrix-vector product, which XLA:CPU runs outside YNNPACK on
   an int32 copy of ``rhs`` (16x slower than the int8 dot with a batch dim): a
-  zero row is appended, and dropped after. At most :data:`_FEW_ROWS` rows
-  times an rhs with K minor (a weight stored ``(N, K)``) run as rhs times lhs
-  (:func:`_weight_as_lhs`). K deeper than
+  zero row is appended, and dropped after. At most
+  :data:`_WEIGHT_AS_LHS_MAX_ROWS` rows times an rhs with K minor (a weight
+  stored ``(N, K)``) run as rhs times lhs (:func:`_weight_as_lhs`). K deeper than
   :data:`_INT8_DOT_MAX_DEPTH` (:data:`_FEW_ROWS_MAX_DEPTH` for at most
   :data:`_FEW_ROWS` rows) as rhs's major dim runs in slices: views of rhs as
   a batch dim (:func:`_depth_as_batch`) where K has a divisor from
@@ -258,7 +259,9 @@ def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Arr
   # A symbolic row count (jax.export) is taken as many.
   few_rows = isinstance(rows, int) and rows <= _FEW_ROWS
   max_depth = _FEW_ROWS_MAX_DEPTH if few_rows else _INT8_DOT_MAX_DEPTH
-  if few_rows and rhs_k == rhs.ndim - 1 and tuple(rhs_batch) == tuple(range(batch)):
+  weight_as_lhs = (isinstance(rows, int) and rows <= _WEIGHT_AS_LHS_MAX_ROWS
+                   and rhs_k == rhs.ndim - 1 and tuple(rhs_batch) == tuple(range(batch)))
+  if weight_as_lhs:
     product = _weight_as_lhs(matrix, rhs)
   elif isinstance(depth, int) and depth > max_depth and rhs_k != rhs.ndim - 1:
     divisors = [d for d in range(_MIN_SLICE_DEPTH, max_depth + 1) if depth % d == 0]

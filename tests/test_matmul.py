@@ -193,7 +193,7 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
   np.testing.assert_array_equal(
       jq._matmul._int8_dot(lhs3, rhs, (((1,), (0,)), ((), ()))),
       wrap_int32(np.einsum("akb,kn->abn", lhs3.astype(np.int64), rhs.astype(np.int64))))
-  # rhs with K minor and two free dims: up to 16 rows take it as the dot's left operand.
+  # rhs with K minor and two free dims: up to 32 rows take it as the dot's left operand.
   rhs3 = _integers(rng, np.int8, (3, 5, k))
   np.testing.assert_array_equal(
       jq._matmul._int8_dot(lhs, rhs3, (((1,), (2,)), ((), ()))),
@@ -207,9 +207,9 @@ def test_int8_dot_paths_agree_with_int64(monkeypatch, m, k):
     ((2, 4100), (4100, 5), _DIMS, "s8[5,820,5]{2,1,0} bitcast(", False),
     ((3, 1, 4100), (3, 4100, 5), (((2,), (1,)), ((0,), (0,))),
      "s8[3,5,820,5]{3,2,1,0} bitcast(", False),
-    # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is; for up to 16
+    # K minor in rhs: YNNPACK's dot is fast at any depth, rhs read as it is; for up to 32
     # rows rhs is the dot's left operand.
-    ((17, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
+    ((33, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%a.1, %b.1), kind=kCustom", False),
     ((2, 4100), (5, 4100), (((1,), (1,)), ((), ())), "fusion(%b.1, %a.1), kind=kCustom", False),
     ((3, 2, 4100), (3, 5, 4100), (((2,), (2,)), ((0,), (0,))),
      "fusion(%b.1, %a.1), kind=kCustom", False),
