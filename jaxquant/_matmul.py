@@ -202,32 +202,33 @@ def _depth_as_batch(dot, lhs: jax.Array, rhs: jax.Array, dimension_numbers, size
   return jnp.sum(product, axis=len(lhs_batch), dtype=jnp.int32)
 
 
-def _rows_times_weight(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """The int32 dot of ``lhs`` ``(batch..., rows, K)`` with ``rhs`` ``(batch..., N..., K)``."""
-  batch = tuple(range(lhs.ndim - 2))
-  return lax.dot_general(lhs, rhs, (((lhs.ndim - 1,), (rhs.ndim - 1,)), (batch, batch)),
+def _last_dims_dot(a: jax.Array, b: jax.Array, batch: int) -> jax.Array:
+  """The int32 dot of ``a`` and ``b`` over their last dims, their first ``batch`` dims batched."""
+  batch_dims = tuple(range(batch))
+  return lax.dot_general(a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch_dims, batch_dims)),
                          preferred_element_type=jnp.int32)
 
 
 @jax.custom_batching.custom_vmap
 def _weight_as_lhs(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """:func:`_rows_times_weight`, taken as ``rhs`` times ``lhs`` and transposed back.
+  """The int32 dot of ``lhs`` ``(batch..., rows, K)`` with ``rhs`` ``(batch..., N..., K)``,
+  taken as ``rhs`` times ``lhs`` and transposed back.
 
   Under ``vmap`` the dot keeps its first order: the examples are more rows
   (or more weights), and past a few rows that order is the faster one.
   """
-  batch = tuple(range(lhs.ndim - 2))
-  swapped = lax.dot_general(rhs, lhs, (((rhs.ndim - 1,), (lhs.ndim - 1,)), (batch, batch)),
-                            preferred_element_type=jnp.int32)
+  batch = lhs.ndim - 2
   # XLA's simplifier turns a transposed dot back into the other order; the barrier keeps this one.
-  return jnp.moveaxis(lax.optimization_barrier(swapped), -1, len(batch))
+  swapped = lax.optimization_barrier(_last_dims_dot(rhs, lhs, batch))
+  return jnp.moveaxis(swapped, -1, batch)
 
 
 @_weight_as_lhs.def_vmap
 def _weight_as_lhs_vmap(axis_size, in_batched, lhs, rhs):
   del axis_size
   in_axes = tuple(0 if batched else None for batched in in_batched)
-  return jax.vmap(_rows_times_weight, in_axes=in_axes)(lhs, rhs), True
+  rows_first = lambda lhs, rhs: _last_dims_dot(lhs, rhs, lhs.ndim - 2)
+  return jax.vmap(rows_first, in_axes=in_axes)(lhs, rhs), True
 
 
 def _int8_rows_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers) -> jax.Array:
