@@ -1,7 +1,7 @@
 """Quantized linear layers against float32, qwix and onnxruntime, interleaved, in one run.
 
     python benchmarks/matmul.py [--rows 1 16 64 256 1024] [--features 1024] [--batch 8]
-                                [--repeats 21] [--tune] [--sync]
+                                [--repeats 21] [--tune] [--sync] [--cpus N]
 
 Layers ``y = x @ W`` with ``x`` (M, K) float32 and ``W`` (K, N), K = N = ``--features``:
 
@@ -53,6 +53,7 @@ shared: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 from jax import lax
@@ -183,6 +184,13 @@ def _qwix_batched(weight: jax.Array):
   return lambda x: layer(x, quantized)
 
 
+def _cpus() -> str:
+  """The CPUs this process may run on."""
+  if not hasattr(os, "sched_getaffinity"):  # not Linux
+    return f"{os.cpu_count()} (affinity unknown)"
+  return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
@@ -195,10 +203,15 @@ def main() -> None:
   parser.add_argument("--sync", action="store_true",
                       help="jaxquant.tune_cpu(async_dispatch=False) first: each call runs on "
                            "the calling thread (with --tune: both)")
+  parser.add_argument("--cpus", type=int, default=None,
+                      help="jaxquant.tune_cpu(cpus=CPUS) first: the process runs on that many CPUs "
+                           "(onnxruntime's thread pool pins its own threads, and keeps its CPUs)")
   args = parser.parse_args()
-  if args.tune or args.sync:
-    jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
-                async_dispatch=False if args.sync else None)
+  if args.tune or args.sync or args.cpus:
+    tuned = jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
+                        async_dispatch=False if args.sync else None, cpus=args.cpus)
+    if args.cpus and "sched_setaffinity" not in tuned:
+      parser.error(f"--cpus {args.cpus}: the process may use no more CPUs than that already")
   rng = np.random.default_rng(0)
   k = n = args.features
   weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -225,7 +238,7 @@ def main() -> None:
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
         f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
-        f"synchronous dispatch {args.sync}; "
+        f"synchronous dispatch {args.sync}; CPUs {_cpus()}; "
         f"median of {args.repeats}; "
         f"load average {load_average()}")
   print("| layer | M | peer | ms | / float32 |")

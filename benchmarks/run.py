@@ -3,7 +3,7 @@
     python -m benchmarks [--ops dequantize quantize dynamic add fake] [--sizes 65536 1048576 ...]
                          [--layouts per-tensor ...] [--types "int8 -> float32" ...]
                          [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
-                         [--tune]
+                         [--tune] [--cpus N]
     python -m benchmarks --from-json benchmarks/results/cpu.json --markdown [filters]
     python -m benchmarks --overhead [--repeats 15]
 
@@ -473,6 +473,7 @@ def _machine():
       "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
       "platform": platform.platform(), "python": platform.python_version(),
       "jaxquant": jq.__version__,
+      "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
       "xla_flags": os.environ.get("XLA_FLAGS"),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -556,13 +557,20 @@ def main(argv=None):
   parser.add_argument("--tune", action="store_true",
                       help="apply jaxquant.tune_cpu() first (glibc heap for large results, "
                            "512-bit vectors); recorded in the JSON's machine info")
+  parser.add_argument("--cpus", type=int, default=None,
+                      help="apply jaxquant.tune_cpu(cpus=CPUS) first: the process runs on "
+                           "that many CPUs (onnxruntime's thread pool pins its own threads, "
+                           "and keeps its CPUs); recorded likewise")
   parser.add_argument("--overhead", action="store_true",
                       help="time each public op's per-call overhead on 1024 elements instead")
   args = parser.parse_args(argv)
   if args.overhead:
     return overhead(args.repeats)
   # Before anything starts JAX's backend, or it applies nothing.
-  tuned = jq.tune_cpu() if args.tune and args.from_json is None else None
+  tuned = None
+  if (args.tune or args.cpus) and args.from_json is None:
+    tuned = jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
+                        cpus=args.cpus)
 
   def wanted(row):
     return ((not args.layouts or row["layout"] in args.layouts)

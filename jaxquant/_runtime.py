@@ -16,6 +16,7 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _VECTOR_WIDTH_FLAG = "--xla_cpu_prefer_vector_width"
 _ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
+_AFFINITY = "sched_setaffinity"
 
 # What tune_cpu applied in this process: the settings cannot be undone, so a
 # second call reports them again instead of applying anything.
@@ -34,7 +35,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 def tune_cpu(
     *, mmap_threshold: int | None = 1 << 30, vector_width: int | None = 512,
-    async_dispatch: bool | None = None,
+    async_dispatch: bool | None = None, cpus: int | None = None,
 ) -> dict[str, int | str | bool]:
   """Applies process-wide settings that make XLA:CPU's ops faster: large results, small calls.
 
@@ -72,6 +73,14 @@ def tune_cpu(
     that dispatches steps ahead of their results (training): it then waits on
     each step instead of preparing the next (README, "Speed", has both
     measured). Single-device computations only (JAX's rule).
+  * ``cpus`` (default ``None``: left alone): run the process, each of its
+    threads and every thread started later, on the first ``cpus`` of the
+    CPUs it may use (``os.sched_setaffinity``, as ``taskset -c`` does), and so
+    XLA:CPU's thread pool, which XLA sizes by them. Where waking another core
+    costs more than the work handed to it (a small virtual machine), one CPU
+    runs small ops and small int8 layers faster, and large ops slower (README,
+    "Speed", has both measured). A library that pins its own threads keeps
+    its CPUs (onnxruntime's thread pool does). Linux only.
 
   Calling it again returns what the first call applied and changes nothing.
 
@@ -80,17 +89,21 @@ def tune_cpu(
     vector_width: ``256`` or ``512`` bits; ``None`` leaves ``XLA_FLAGS`` alone.
     async_dispatch: ``False`` for synchronous dispatch on XLA:CPU, ``True``
       for JAX's default; ``None`` leaves the setting alone.
+    cpus: how many CPUs to run on; ``None`` (or as many as the process may
+      use already) leaves the affinity alone.
 
   Returns:
     The settings applied, by name (``"M_ARENA_MAX"``, ``"M_MMAP_THRESHOLD"``,
-    ``"M_TRIM_THRESHOLD"``, ``"XLA_FLAGS"``, ``"jax_cpu_enable_async_dispatch"``);
+    ``"M_TRIM_THRESHOLD"``, ``"XLA_FLAGS"``, ``"jax_cpu_enable_async_dispatch"``,
+    ``"sched_setaffinity"``: the CPUs chosen, as ``"0,1"``);
     empty when nothing was (called after JAX's backend started, which also
-    warns; or nothing asked for applies here: not glibc, not x86-64).
+    warns; or nothing asked for applies here: not glibc, not x86-64, not Linux).
 
   Raises:
     ValueError: for a ``vector_width`` other than 256, 512 or ``None``, a
       ``mmap_threshold`` that is not a positive int below 2**31, or an
-      ``async_dispatch`` that is not a bool or ``None``.
+      ``async_dispatch`` that is not a bool or ``None``, or ``cpus`` that is
+      not a positive int or ``None``.
 
   Example (not run here: it would retune the test process)::
 
@@ -114,15 +127,18 @@ def tune_cpu(
   if async_dispatch is not None and not isinstance(async_dispatch, bool):
     raise ValueError(
         f"tune_cpu: async_dispatch must be True, False or None, got {async_dispatch!r}")
+  if cpus is not None and not (
+      isinstance(cpus, int) and not isinstance(cpus, bool) and cpus > 0):
+    raise ValueError(f"tune_cpu: cpus must be a positive int or None, got {cpus!r}")
   if _applied is not None:
     return dict(_applied)
-  if mmap_threshold is None and vector_width is None and async_dispatch is None:
+  if mmap_threshold is None and vector_width is None and async_dispatch is None and cpus is None:
     return {}
   if xla_bridge.backends_are_initialized():
     warnings.warn(
         "jaxquant.tune_cpu: JAX's backend is already initialised, so its worker threads "
         "have their own allocator arenas, XLA has read XLA_FLAGS and the CPU client's "
-        "dispatch is set; nothing was changed. "
+        "dispatch and thread pool are set; nothing was changed. "
         "Call it before the first computation.", RuntimeWarning, stacklevel=2,
     )
     return {}
@@ -145,5 +161,14 @@ def tune_cpu(
     # Read when the CPU client is created, which has not happened yet (above).
     jax.config.update(_ASYNC_DISPATCH, async_dispatch)
     applied[_ASYNC_DISPATCH] = async_dispatch
+  allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+  if cpus is not None and cpus < len(allowed):
+    # Every thread: some started already (NumPy's BLAS pool, at its import).
+    for thread in os.listdir("/proc/self/task"):
+      try:
+        os.sched_setaffinity(int(thread), allowed[:cpus])
+      except ProcessLookupError:  # ended since it was listed
+        pass
+    applied[_AFFINITY] = ",".join(map(str, allowed[:cpus]))
   _applied = applied
   return dict(applied)

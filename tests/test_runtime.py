@@ -82,13 +82,15 @@ def test_after_the_backend_started_it_warns_and_changes_nothing():
     import os
     import jax
     jax.devices()
+    allowed = os.sched_getaffinity(0)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      applied = jq.tune_cpu()
+      applied = jq.tune_cpu(cpus=1)
     print(json.dumps(dict(applied=applied, flags=os.environ.get("XLA_FLAGS"),
+                          same_cpus=os.sched_getaffinity(0) == allowed,
                           warnings=[str(w.message) for w in caught])))
   """)
-  assert out["applied"] == {} and out["flags"] is None
+  assert out["applied"] == {} and out["flags"] is None and out["same_cpus"]
   assert len(out["warnings"]) == 1 and "already initialised" in out["warnings"][0]
 
 
@@ -130,6 +132,38 @@ def test_synchronous_dispatch_returns_when_the_result_is_ready():
   assert _run(READY_ON_RETURN, "print(json.dumps(ready))") is False
 
 
+# Every thread of this process and the CPUs it may run on, after XLA's thread pool has
+# run a computation split across it.
+THREADS = """
+import glob
+import jax, jax.numpy as jnp
+x = jnp.ones((1 << 24,), jnp.float32)
+jax.jit(lambda x: jnp.sin(x) * 2)(x).block_until_ready()
+threads = {}
+for status in glob.glob("/proc/self/task/*/status"):
+  with open(status) as lines:
+    fields = dict(line.rstrip("\\n").split(":\\t", 1) for line in lines if ":\\t" in line)
+  threads[fields["Pid"]] = fields["Cpus_allowed_list"]
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_cpus_runs_every_thread_xla_starts_on_the_first_cpus():
+  allowed = sorted(os.sched_getaffinity(0))  # the subprocess inherits this mask
+  out = _run("applied = jq.tune_cpu(mmap_threshold=None, vector_width=None, cpus=1)\n",
+             THREADS, "print(json.dumps(dict(applied=applied, threads=threads)))")
+  untuned = _run(THREADS, "print(json.dumps(threads))")
+  if len(allowed) == 1:  # already one CPU: nothing to apply
+    assert out["applied"] == {}, out
+    return
+  assert out["applied"] == {"sched_setaffinity": str(allowed[0])}, out
+  assert set(out["threads"].values()) == {str(allowed[0])}, out["threads"]
+  # XLA sizes its thread pools by the CPUs the process may use.
+  assert len(out["threads"]) < len(untuned), (out["threads"], untuned)
+  assert _run("print(json.dumps(jq.tune_cpu(mmap_threshold=None, vector_width=None, "
+              f"cpus={len(allowed)})))") == {}
+
+
 def test_without_glibc_the_allocator_is_left_alone():
   out = _run("""
     import jaxquant._runtime as runtime
@@ -142,7 +176,7 @@ def test_without_glibc_the_allocator_is_left_alone():
 @pytest.mark.parametrize("keywords", [
     dict(vector_width=384), dict(mmap_threshold=0), dict(mmap_threshold=1 << 31),
     dict(mmap_threshold=1.5e9), dict(mmap_threshold=True), dict(async_dispatch=0),
-    dict(async_dispatch="sync"),
+    dict(async_dispatch="sync"), dict(cpus=0), dict(cpus=True), dict(cpus=1.0),
 ])
 def test_invalid_settings_raise_before_anything_is_applied(keywords):
   # In this process: validation comes first, so nothing is tuned here.
