@@ -6,10 +6,34 @@ import time
 
 import jax
 
+import jaxquant as jq
+
 
 def load_average() -> str:
   """The 1, 5 and 15 minute load averages, as a benchmark's header prints them."""
   return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def cpus() -> str:
+  """The CPUs this process may run on, as a benchmark's header prints them."""
+  if not hasattr(os, "sched_getaffinity"):  # not Linux
+    return f"{os.cpu_count()} (affinity unknown)"
+  return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+def tune(*, defaults: bool, async_dispatch: bool | None = None, cpus: int | None = None):
+  """``jaxquant.tune_cpu`` for a benchmark's flags, before JAX's backend starts.
+
+  ``defaults`` (``--tune``) applies its default settings; otherwise only the
+  ones asked for. Returns what it applied, or ``None`` when nothing was asked.
+  """
+  if not (defaults or async_dispatch is not None or cpus):
+    return None
+  applied = jq.tune_cpu(**({} if defaults else dict(mmap_threshold=None, vector_width=None)),
+                        async_dispatch=async_dispatch, cpus=cpus)
+  if cpus and "sched_setaffinity" not in applied:
+    raise SystemExit(f"--cpus {cpus}: the process may use no more CPUs than that already")
+  return applied
 
 
 def best_ms(function, repeats):

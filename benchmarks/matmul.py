@@ -53,7 +53,6 @@ shared: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 from jax import lax
@@ -65,8 +64,10 @@ import onnxruntime
 from onnxruntime import quantization
 
 import jaxquant as jq
+from _timing import cpus
 from _timing import interleaved_median_ms
 from _timing import load_average
+from _timing import tune
 
 try:
   import qwix
@@ -184,13 +185,6 @@ def _qwix_batched(weight: jax.Array):
   return lambda x: layer(x, quantized)
 
 
-def _cpus() -> str:
-  """The CPUs this process may run on."""
-  if not hasattr(os, "sched_getaffinity"):  # not Linux
-    return f"{os.cpu_count()} (affinity unknown)"
-  return ",".join(map(str, sorted(os.sched_getaffinity(0))))
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
@@ -207,11 +201,7 @@ def main() -> None:
                       help="jaxquant.tune_cpu(cpus=CPUS) first: the process runs on that many CPUs "
                            "(onnxruntime's thread pool pins its own threads, and keeps its CPUs)")
   args = parser.parse_args()
-  if args.tune or args.sync or args.cpus:
-    tuned = jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
-                        async_dispatch=False if args.sync else None, cpus=args.cpus)
-    if args.cpus and "sched_setaffinity" not in tuned:
-      parser.error(f"--cpus {args.cpus}: the process may use no more CPUs than that already")
+  tune(defaults=args.tune, async_dispatch=False if args.sync else None, cpus=args.cpus)
   rng = np.random.default_rng(0)
   k = n = args.features
   weight = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -238,7 +228,7 @@ def main() -> None:
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
         f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
-        f"synchronous dispatch {args.sync}; CPUs {_cpus()}; "
+        f"synchronous dispatch {args.sync}; CPUs {cpus()}; "
         f"median of {args.repeats}; "
         f"load average {load_average()}")
   print("| layer | M | peer | ms | / float32 |")

@@ -64,7 +64,9 @@ from jaxquant import _dtypes
 from jaxquant import _numerics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import cpus  # pylint: disable=wrong-import-position
 from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
+from _timing import tune  # pylint: disable=wrong-import-position
 
 COLUMNS = 1024
 OPS = ("dequantize", "quantize", "dynamic", "add", "fake")
@@ -473,7 +475,7 @@ def _machine():
       "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
       "platform": platform.platform(), "python": platform.python_version(),
       "jaxquant": jq.__version__,
-      "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+      "cpus": cpus(),
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
       "xla_flags": os.environ.get("XLA_FLAGS"),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -567,10 +569,7 @@ def main(argv=None):
   if args.overhead:
     return overhead(args.repeats)
   # Before anything starts JAX's backend, or it applies nothing.
-  tuned = None
-  if (args.tune or args.cpus) and args.from_json is None:
-    tuned = jq.tune_cpu(**({} if args.tune else dict(mmap_threshold=None, vector_width=None)),
-                        cpus=args.cpus)
+  tuned = None if args.from_json is not None else tune(defaults=args.tune, cpus=args.cpus)
 
   def wanted(row):
     return ((not args.layouts or row["layout"] in args.layouts)

@@ -607,6 +607,16 @@ def integer_conv(lhs, rhs, *args, **options) -> np.ndarray:
         np.asarray(lhs, np.int64), np.asarray(rhs, np.int64), *args, **options))
 
 
+def allowed_cpus() -> list[int]:
+  """The CPUs this process may run on, which a subprocess inherits; empty off Linux."""
+  return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def one_cpu_arguments() -> list[str]:
+  """A benchmark script's ``--cpus 1`` where the process may use more than one CPU."""
+  return ["--cpus", "1"] if len(allowed_cpus()) > 1 else []
+
+
 def run_on_cpu_devices(program: str, count: int, *, timeout: float = 300) -> str:
   """Runs ``program`` in a fresh interpreter with ``count`` simulated CPU devices.
 

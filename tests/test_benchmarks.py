@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from quant_testing import allowed_cpus
+from quant_testing import one_cpu_arguments
+
 pytestmark = pytest.mark.slow  # each script starts a fresh interpreter and compiles its ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -74,8 +77,7 @@ def test_suite_writes_json_and_markdown(tmp_path):
 
 def test_suite_tune_applies_tune_cpu_before_measuring_and_records_it(tmp_path):
   results = tmp_path / "results.json"
-  allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-  one_cpu = ["--cpus", "1"] if len(allowed) > 1 else []
+  one_cpu = one_cpu_arguments()
   subprocess.run(
       [sys.executable, "-m", "benchmarks", "--tune", *one_cpu, "--sizes", "8192",
        "--repeats", "1",
@@ -92,8 +94,9 @@ def test_suite_tune_applies_tune_cpu_before_measuring_and_records_it(tmp_path):
   if "XLA_FLAGS" in machine["tune_cpu"]:
     assert machine["xla_flags"] == machine["tune_cpu"]["XLA_FLAGS"]
   if one_cpu:
-    assert machine["tune_cpu"]["sched_setaffinity"] == str(allowed[0]), machine
-    assert machine["cpus"] == allowed[:1], machine
+    first = str(allowed_cpus()[0])
+    assert machine["tune_cpu"]["sched_setaffinity"] == first, machine
+    assert machine["cpus"] == first, machine
 
 
 def test_fake_quant_benchmark_runs():

@@ -17,8 +17,10 @@ from jaxquant import _numerics
 import pallas_kernels
 from pallas_kernels import matmul as pallas_matmul
 from onnx_oracle import run_onnxruntime, run_reference
+from quant_testing import allowed_cpus
 from quant_testing import assert_bits_equal
 from quant_testing import entry_work
+from quant_testing import one_cpu_arguments
 from quant_testing import spec_nbits_weight
 from quant_testing import summation_bound
 from quant_testing import uses_pallas
@@ -1045,8 +1047,7 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
   import sys
 
   root = pathlib.Path(__file__).resolve().parents[1]
-  allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-  one_cpu = ["--cpus", "1"] if len(allowed) > 1 else []
+  one_cpu = one_cpu_arguments()
   result = subprocess.run(
       [sys.executable, "benchmarks/matmul.py", "--rows", "2", "--features", "64",
        "--repeats", "1", "--model-path", str(tmp_path / "linear.onnx"), *one_cpu],
@@ -1057,7 +1058,7 @@ def test_benchmark_runs_and_checks_bits(tmp_path):
   assert len(rows) == 7 + ("qwix not installed" not in result.stdout), result.stdout
   assert result.stdout.count("load average") == 2, result.stdout
   if one_cpu:
-    assert f"; CPUs {allowed[0]};" in result.stdout, result.stdout
+    assert f"; CPUs {allowed_cpus()[0]};" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("shape, largest", [

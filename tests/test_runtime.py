@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import jaxquant as jq
+from quant_testing import allowed_cpus
 
 GLIBC_X86 = (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
              and platform.machine() == "x86_64")
@@ -149,7 +150,7 @@ for status in glob.glob("/proc/self/task/*/status"):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
 def test_cpus_runs_every_thread_xla_starts_on_the_first_cpus():
-  allowed = sorted(os.sched_getaffinity(0))  # the subprocess inherits this mask
+  allowed = allowed_cpus()  # the subprocess inherits them
   out = _run("applied = jq.tune_cpu(mmap_threshold=None, vector_width=None, cpus=1)\n",
              THREADS, "print(json.dumps(dict(applied=applied, threads=threads)))")
   untuned = _run(THREADS, "print(json.dumps(threads))")
