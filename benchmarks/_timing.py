@@ -27,11 +27,11 @@ def tune(*, defaults: bool, async_dispatch: bool | None = None, cpus: int | None
   ``defaults`` (``--tune``) applies its default settings; otherwise only the
   ones asked for. Returns what it applied, or ``None`` when nothing was asked.
   """
-  if not (defaults or async_dispatch is not None or cpus):
+  if not (defaults or async_dispatch is not None or cpus is not None):
     return None
   applied = jq.tune_cpu(**({} if defaults else dict(mmap_threshold=None, vector_width=None)),
                         async_dispatch=async_dispatch, cpus=cpus)
-  if cpus and "sched_setaffinity" not in applied:
+  if cpus is not None and "sched_setaffinity" not in applied:
     raise SystemExit(f"--cpus {cpus}: the process may use no more CPUs than that already")
   return applied
 
