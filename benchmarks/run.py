@@ -3,7 +3,7 @@
     python -m benchmarks [--ops dequantize quantize dynamic add fake] [--sizes 65536 1048576 ...]
                          [--layouts per-tensor ...] [--types "int8 -> float32" ...]
                          [--repeats 15] [--json benchmarks/results/cpu.json] [--markdown]
-                         [--tune] [--cpus N]
+                         [--tune] [--cpus N] [--sync]
     python -m benchmarks --from-json benchmarks/results/cpu.json --markdown [filters]
     python -m benchmarks --overhead [--repeats 15]
 
@@ -24,15 +24,23 @@ same data in one process, and reports medians:
     multiplying by the reciprocal instead of dividing, the two addends summed
     with a plain add that XLA may fuse into an FMA (docs/numerics.md, J6).
     What XLA:CPU reaches when exactness is free: the bar for what bounds a row;
+  * ``xla-floor``: for the rows onnxruntime has, XLA:CPU's barest jitted loop
+    with the same reads and writes: int8 widened to the float output
+    (dequantize), the float's bits truncated to int8 (quantize), those and
+    one plain float max (dynamic quantize: two passes over x), a wrapping int8
+    ``a + b`` (the add). Nothing rounds or saturates: where onnxruntime is
+    faster even than this, the gap is XLA:CPU's loop and threads, not the
+    formula's;
   * ``torch``: PyTorch's fake-quant training step, for the fake-quant rows;
   * ``copy``: NumPy copying, between preallocated buffers, as many bytes as the
     op must move (inputs read once, output written once): the memory floor.
 
 Reported per case: jaxquant's milliseconds and GB/s (bytes moved / time), the
-ratio ``onnxruntime ms / jaxquant ms`` (> 1: jaxquant is faster) and
-jaxquant's fraction of the copy baseline's rate. The JSON holds every peer's
-median; notebooks/04_kernels_and_speed.ipynb plots it. Machines are shared:
-compare ratios within one run, never absolute times across runs.
+ratio ``onnxruntime ms / jaxquant ms`` (> 1: jaxquant is faster), the same
+ratio for ``inexact`` and ``xla-floor``, and jaxquant's fraction of the copy
+baseline's rate. The JSON holds every peer's median;
+notebooks/04_kernels_and_speed.ipynb plots it. Machines are shared: compare
+ratios within one run, never absolute times across runs.
 
 ``--overhead`` times instead what one call of each public op costs on a
 1024-element input, where dispatch, not data, is the cost: the public call
@@ -206,6 +214,8 @@ def dequantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
                 [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.FLOAT)])
           if ort is not None:
             peers["onnxruntime"] = ort
+            if types != "int4 packed":
+              peers["xla-floor"] = functools.partial(_floor_convert, x_j, out_dtype)
         repeat = block_size
 
         @jax.jit
@@ -254,6 +264,24 @@ def _inexact_add(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_scale,
   return _inexact(total * (1 / out_scale), out_zero_point)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
+def _floor_convert(x, dtype):
+  """The barest loop from x to ``dtype``: integers widened, floats' bits truncated."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    x = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return x.astype(dtype)
+
+
+@jax.jit
+def _floor_dynamic(x):
+  return _floor_convert(x, jnp.uint8), jnp.max(x)
+
+
+@jax.jit
+def _floor_add(a, b):
+  return a + b
+
+
 def _node(op, inputs, outputs, **attributes):
   from onnx import helper  # pylint: disable=import-outside-toplevel
   return helper.make_node(op, inputs, outputs, **attributes)
@@ -291,6 +319,7 @@ def quantize_cases(elements, rng, *, pallas, ort_session=_ort_session):
             [("x", x), ("s", scale), ("z", zero_point)], [("y", TensorProto.INT8)])
         if ort is not None:
           peers["onnxruntime"] = ort
+          peers["xla-floor"] = functools.partial(_floor_convert, x_j, jnp.int8)
         if layout == "per-tensor":
           peers["inexact"] = functools.partial(
               _inexact_quantize, x_j, scale_j, zero_point_j)
@@ -331,6 +360,7 @@ def dynamic_cases(elements, rng, *, pallas, ort_session=_ort_session):
           [("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8)])
       if ort is not None:
         peers["onnxruntime"] = ort
+        peers["xla-floor"] = functools.partial(_floor_dynamic, x_j)
 
     def by_hand(xp, x, axis=axis):
       over = None if axis is None else 1  # per row: a scale per row, over its columns
@@ -369,6 +399,7 @@ def add_cases(elements, rng, *, pallas, ort_session=_ort_session):
       [("y", TensorProto.INT8)], microsoft=True)
   if ort is not None:
     peers["onnxruntime"] = ort
+    peers["xla-floor"] = functools.partial(_floor_add, a_j, b_j)
   peers["inexact"] = functools.partial(_inexact_add, *arguments)
 
   def by_hand(xp, a, b):
@@ -452,20 +483,22 @@ def markdown(rows):
   """The rows as a markdown table (the README's "Speed" section)."""
   lines = [
       "| op | layout | types | elements | jaxquant ms | GB/s | copy GB/s | of copy "
-      "| onnxruntime ms | vs onnxruntime | inexact vs onnxruntime |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "| onnxruntime ms | vs onnxruntime | inexact vs onnxruntime | xla-floor vs onnxruntime |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in rows:
     ort = row["median_ms"].get("onnxruntime")
     versus = row["vs_onnxruntime"]
     inexact = row["median_ms"].get("inexact")
+    floor = row["median_ms"].get("xla-floor")
     lines.append(
         f"| {row['op']} | {row['layout']} | {row['types']} | {_size(row['elements'])} "
         f"| {row['median_ms']['jaxquant']:.3f} | {row['gb_per_s']['jaxquant']:.1f} "
         f"| {row['gb_per_s']['copy']:.1f} | {row['of_copy']:.2f} "
         f"| {'-' if ort is None else f'{ort:.3f}'} "
         f"| {'-' if ort is None else f'{versus:.2f}x'} "
-        f"| {'-' if ort is None or inexact is None else f'{ort / inexact:.2f}x'} |")
+        f"| {'-' if ort is None or inexact is None else f'{ort / inexact:.2f}x'} "
+        f"| {'-' if ort is None or floor is None else f'{ort / floor:.2f}x'} |")
   return "\n".join(lines)
 
 
@@ -563,13 +596,17 @@ def main(argv=None):
                       help="apply jaxquant.tune_cpu(cpus=CPUS) first: the process runs on "
                            "that many CPUs (onnxruntime's thread pool pins its own threads, "
                            "and keeps its CPUs); recorded likewise")
+  parser.add_argument("--sync", action="store_true",
+                      help="apply jaxquant.tune_cpu(async_dispatch=False) first: each jitted "
+                           "call runs on the calling thread; recorded likewise")
   parser.add_argument("--overhead", action="store_true",
                       help="time each public op's per-call overhead on 1024 elements instead")
   args = parser.parse_args(argv)
   if args.overhead:
     return overhead(args.repeats)
   # Before anything starts JAX's backend, or it applies nothing.
-  tuned = None if args.from_json is not None else tune(defaults=args.tune, cpus=args.cpus)
+  tuned = None if args.from_json is not None else tune(
+      defaults=args.tune, async_dispatch=False if args.sync else None, cpus=args.cpus)
 
   def wanted(row):
     return ((not args.layouts or row["layout"] in args.layouts)
