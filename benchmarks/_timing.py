@@ -1,6 +1,7 @@
 """Wall-time measurement shared by the benchmark scripts."""
 
 import os
+import platform
 import random
 import time
 
@@ -19,6 +20,18 @@ def cpus() -> str:
   if not hasattr(os, "sched_getaffinity"):  # not Linux
     return f"{os.cpu_count()} (affinity unknown)"
   return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+def cpu_model() -> str:
+  """The processor's model name (Linux's /proc/cpuinfo), else what ``platform`` knows."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+      for line in info:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
 
 
 def tune(*, defaults: bool, async_dispatch: bool | None = None, cpus: int | None = None):

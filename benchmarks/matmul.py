@@ -64,6 +64,7 @@ import onnxruntime
 from onnxruntime import quantization
 
 import jaxquant as jq
+from _timing import cpu_model
 from _timing import cpus
 from _timing import interleaved_median_ms
 from _timing import load_average
@@ -228,7 +229,7 @@ def main() -> None:
   print(f"jax {jax.__version__}, onnxruntime {onnxruntime.__version__}, "
         f"qwix {getattr(qwix, '__version__', None) if qwix else 'not installed'}, "
         f"{jax.device_count()} CPU device(s); K = N = {k}; tune_cpu {args.tune}; "
-        f"synchronous dispatch {args.sync}; CPUs {cpus()}; "
+        f"synchronous dispatch {args.sync}; CPUs {cpus()} ({cpu_model()}); "
         f"median of {args.repeats}; "
         f"load average {load_average()}")
   print("| layer | M | peer | ms | / float32 |")

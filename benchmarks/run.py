@@ -72,6 +72,7 @@ from jaxquant import _dtypes
 from jaxquant import _numerics
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _timing import cpu_model  # pylint: disable=wrong-import-position
 from _timing import cpus  # pylint: disable=wrong-import-position
 from _timing import interleaved_median_ms  # pylint: disable=wrong-import-position
 from _timing import tune  # pylint: disable=wrong-import-position
@@ -505,7 +506,8 @@ def markdown(rows):
 def _machine():
   info = {
       "jax": jax.__version__, "backend": jax.default_backend(),
-      "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+      "device": jax.devices()[0].device_kind, "cpu_model": cpu_model(),
+      "cpu_count": os.cpu_count(),
       "platform": platform.platform(), "python": platform.python_version(),
       "jaxquant": jq.__version__,
       "cpus": cpus(),

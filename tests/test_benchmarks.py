@@ -58,7 +58,9 @@ def test_suite_writes_json_and_markdown(tmp_path):
       cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
       env={**os.environ, "PYTHONPATH": str(ROOT)},
   )
-  rows = json.loads(results.read_text())["rows"]
+  saved = json.loads(results.read_text())
+  rows = saved["rows"]
+  assert saved["machine"]["cpu_model"], saved["machine"]  # which processor the figures are from
   # Per tensor: dequantize int8 (2 outputs), uint8, int4 (2 outputs); quantize int8
   # and int4; dynamic per tensor and per row; add; fake.
   assert len(rows) == 5 + 2 + 2 + 1 + 1, result.stdout
