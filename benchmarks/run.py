@@ -488,18 +488,19 @@ def markdown(rows):
       "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in rows:
-    ort = row["median_ms"].get("onnxruntime")
-    versus = row["vs_onnxruntime"]
-    inexact = row["median_ms"].get("inexact")
-    floor = row["median_ms"].get("xla-floor")
+    medians = row["median_ms"]
+    ort = medians.get("onnxruntime")
+
+    def versus(peer, ort=ort, medians=medians):
+      """onnxruntime's time over ``peer``'s, where the row has both."""
+      return "-" if ort is None or peer not in medians else f"{ort / medians[peer]:.2f}x"
+
     lines.append(
         f"| {row['op']} | {row['layout']} | {row['types']} | {_size(row['elements'])} "
-        f"| {row['median_ms']['jaxquant']:.3f} | {row['gb_per_s']['jaxquant']:.1f} "
+        f"| {medians['jaxquant']:.3f} | {row['gb_per_s']['jaxquant']:.1f} "
         f"| {row['gb_per_s']['copy']:.1f} | {row['of_copy']:.2f} "
         f"| {'-' if ort is None else f'{ort:.3f}'} "
-        f"| {'-' if ort is None else f'{versus:.2f}x'} "
-        f"| {'-' if ort is None or inexact is None else f'{ort / inexact:.2f}x'} "
-        f"| {'-' if ort is None or floor is None else f'{ort / floor:.2f}x'} |")
+        f"| {versus('jaxquant')} | {versus('inexact')} | {versus('xla-floor')} |")
   return "\n".join(lines)
 
 
